@@ -1,0 +1,126 @@
+"""The ``vllm.general_plugins`` entry point: read ``VLLM_PREFIX_GUARD`` and apply the guard.
+
+vLLM calls :func:`register` in every process it starts (API server, EngineCore,
+workers), before the scheduler is built, and only if ``VLLM_PLUGINS`` allows the entry
+point ``prefix_guard``. An exception raised here aborts engine start-up: that is how an
+enabled guard that cannot apply fails loudly instead of running unguarded.
+
+This module imports nothing from vLLM at import time, so a broken vLLM surfaces as the
+guard's own error from :func:`register`, not as a swallowed entry-point import failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from vllm_prefix_guard.patching import PatchRegistry
+
+ENV_VAR = "VLLM_PREFIX_GUARD"
+_ON = ("1", "true", "on")
+_OFF = ("", "0", "false", "off")
+LOGGER_NAME = "vllm.prefix_guard"  # under "vllm" so vLLM's handlers print it
+
+_lock = threading.RLock()
+_registry: PatchRegistry | None = None
+_skipped_for_upstream: str | None = None
+
+
+class GuardConfigError(ValueError):
+    """``VLLM_PREFIX_GUARD`` holds a value that is neither on nor off."""
+
+
+def logger() -> logging.Logger:
+    """vLLM's logger for the guard (configured by vLLM's logging setup when available)."""
+    try:
+        from vllm.logger import init_logger
+    except ImportError:  # pragma: no cover - vLLM missing: doctor reports it
+        return logging.getLogger(LOGGER_NAME)
+    return init_logger(LOGGER_NAME)
+
+
+def enabled_by_env(environ: Any = None) -> bool:
+    """Parse ``VLLM_PREFIX_GUARD``: unset/0/false/off -> False, 1/true/on -> True.
+
+    Raises:
+        GuardConfigError: any other value, naming the variable and the accepted values.
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise GuardConfigError(
+        f"{ENV_VAR}={raw!r} is not understood: use one of {', '.join(_ON)} to enable the "
+        f"guard, or one of 0, false, off (or leave it unset) to disable it."
+    )
+
+
+def register() -> None:
+    """Entry point for ``vllm.general_plugins``; idempotent and re-entrant."""
+    if enabled_by_env():
+        apply()
+
+
+def apply() -> list[str]:
+    """Check every target, then patch them all; return the patched targets' names.
+
+    Calling it again in the same process is a no-op that returns the same names. If the
+    installed vLLM already has an equivalent fix, nothing is patched (logged once).
+
+    Raises:
+        GuardUnsupportedError: a target is missing or changed; nothing was patched.
+    """
+    global _registry, _skipped_for_upstream
+    from vllm_prefix_guard import hooks, targets
+
+    with _lock:
+        if _registry is not None:
+            return [p.target for p in _registry.applied]
+        if _skipped_for_upstream is not None:
+            return []
+        version = targets.vllm_version()
+        upstream = targets.upstream_fix()
+        if upstream is not None:
+            _skipped_for_upstream = upstream
+            logger().info(
+                "vllm-prefix-guard: vLLM %s already ships %s; the guard is not applied.",
+                version,
+                upstream,
+            )
+            return []
+        targets.check_all()
+        registry = PatchRegistry()
+        try:
+            patched = hooks.install(registry)
+        except BaseException:
+            registry.undo_all()
+            raise
+        _registry = registry
+        log = logger()
+        for name in patched:
+            log.info("vllm-prefix-guard: patched %s (vLLM %s)", name, version)
+        return patched
+
+
+def undo() -> None:
+    """Restore stock vLLM in this process (pools already grafted stay inert)."""
+    global _registry, _skipped_for_upstream
+    with _lock:
+        if _registry is not None:
+            _registry.undo_all()
+        _registry = None
+        _skipped_for_upstream = None
+
+
+def is_applied() -> bool:
+    """Whether the guard's patches are in place in this process."""
+    return _registry is not None
+
+
+def applied_targets() -> list[str]:
+    """Names of the targets patched in this process."""
+    return [] if _registry is None else [p.target for p in _registry.applied]

@@ -1,0 +1,72 @@
+"""Counters an operator can read: what the guard tracked, rolled back, and why.
+
+Each scheduler's ledger owns one :class:`GuardStats`; :func:`snapshot` sums the live
+ones in this process. Nothing here logs per step: the EngineCore prints one summary
+line at shutdown (see ``hooks``), and can write it as JSON for tooling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+
+@dataclass
+class GuardStats:
+    """Counters of one scheduler's ledger. Entries are (block hash key, block id) pairs."""
+
+    # Steps whose registrations were committed by update_from_output.
+    steps_committed: int = 0
+    # Speculative registrations recorded (made inside allocate_slots).
+    registrations_tracked: int = 0
+    # Entries removed because their request was preempted in the same schedule() call.
+    rolled_back_preempted: int = 0
+    # Entries removed because the step reported their KV load as failed.
+    rolled_back_kv_load_failure: int = 0
+    # Entries removed because their step never came back (its output was dropped).
+    rolled_back_dropped_step: int = 0
+    # Entries skipped at rollback because the block was evicted or re-keyed since.
+    stale_entries_skipped: int = 0
+    # Requests preempted because they counted a rolled-back block as computed.
+    dependents_preempted: int = 0
+    # Largest number of uncommitted entries held at once, and right now.
+    peak_uncommitted_entries: int = 0
+    uncommitted_entries: int = 0
+
+    @property
+    def rolled_back(self) -> int:
+        return (
+            self.rolled_back_preempted
+            + self.rolled_back_kv_load_failure
+            + self.rolled_back_dropped_step
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        out = dataclasses.asdict(self)
+        out["rolled_back"] = self.rolled_back
+        return out
+
+    def add(self, other: GuardStats) -> None:
+        for field in dataclasses.fields(self):
+            name = field.name
+            if name.startswith("peak_"):
+                setattr(self, name, max(getattr(self, name), getattr(other, name)))
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_live: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def track(owner: object) -> None:
+    """Make ``owner`` (anything with a ``stats: GuardStats``) count in :func:`snapshot`."""
+    _live.add(owner)
+
+
+def snapshot() -> GuardStats:
+    """Sum of the counters of every live guarded scheduler in this process."""
+    total = GuardStats()
+    for owner in list(_live):
+        total.add(owner.stats)  # type: ignore[attr-defined]
+    return total

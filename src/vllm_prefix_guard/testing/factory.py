@@ -1,0 +1,214 @@
+"""Build a real vLLM ``Scheduler``/``AsyncScheduler`` on CPU, offline, from a local config.
+
+The scheduler, ``KVCacheManager`` and ``BlockPool`` are vLLM's own; only the model is
+absent (a ``config.json`` with a registered architecture is all ``ModelConfig`` needs
+with ``skip_tokenizer_init=True``). Recipe: shared notes ``vllm-internals.md`` §5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "float16",
+}
+VOCAB_SIZE = TINY_LLAMA_CONFIG["vocab_size"]
+FAKE_CONNECTOR_NAME = "PrefixGuardFakeLoadConnector"
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """What a test varies about the scheduler; the rest is fixed and small."""
+
+    block_size: int = 16
+    num_blocks: int = 64
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    async_scheduling: bool = False
+    enable_prefix_caching: bool = True
+    # Admission requires only the next chunk to fit (the notes' reproduction needs it).
+    reserve_full_isl: bool = False
+    # "fail" or "recompute" attaches the fake KV connector with that load-failure policy.
+    kv_load_failure_policy: str | None = None
+    # Extra kv cache groups besides full attention: "mamba" builds a hybrid layout.
+    extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+@cache
+def _model_dir() -> str:
+    path = Path(tempfile.gettempdir()) / "vllm-prefix-guard-scheduler-model"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    return str(path)
+
+
+def _register_fake_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if FAKE_CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            FAKE_CONNECTOR_NAME, "vllm_prefix_guard.testing.connector", "FakeLoadConnector"
+        )
+
+
+def _vllm_config(spec: SchedulerSpec) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(
+        model=_model_dir(),
+        skip_tokenizer_init=True,
+        dtype="float16",
+        max_model_len=spec.max_model_len,
+    )
+    scheduler_kwargs: dict[str, Any] = dict(
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        policy=spec.policy,
+        long_prefill_token_threshold=spec.long_prefill_token_threshold,
+        async_scheduling=spec.async_scheduling,
+        scheduler_reserve_full_isl=spec.reserve_full_isl,
+        **spec.extra_scheduler_kwargs,
+    )
+    scheduler_config = SchedulerConfig(**scheduler_kwargs)
+    cache_config = CacheConfig(
+        block_size=spec.block_size, enable_prefix_caching=spec.enable_prefix_caching
+    )
+    extra: dict[str, Any] = {}
+    if spec.kv_load_failure_policy is not None:
+        from vllm.config import KVTransferConfig
+
+        _register_fake_connector()
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=FAKE_CONNECTOR_NAME,
+            kv_role="kv_both",
+            kv_load_failure_policy=spec.kv_load_failure_policy,
+        )
+    try:
+        config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            **extra,
+        )
+    except RuntimeError as exc:
+        # The GPU wheel on a GPU-less machine cannot infer a device; the scheduler
+        # never touches it, so name one.
+        if "device" not in str(exc).lower():
+            raise
+        from vllm.config import DeviceConfig
+
+        config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            device_config=DeviceConfig(device="cuda"),
+            **extra,
+        )
+    cache_config.num_gpu_blocks = spec.num_blocks
+    return config
+
+
+def kv_cache_config(spec: SchedulerSpec, hybrid_mamba: bool = False) -> Any:
+    """A single full-attention group (or full attention + Mamba) with no tensors."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    groups = [
+        KVCacheGroupSpec(
+            ["layer.0"],
+            FullAttentionSpec(
+                block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+            ),
+        )
+    ]
+    if hybrid_mamba:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        groups.append(
+            KVCacheGroupSpec(
+                ["layer.1"],
+                MambaSpec(
+                    block_size=spec.block_size,
+                    shapes=((1, 1),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
+                ),
+            )
+        )
+    return KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def make_scheduler(spec: SchedulerSpec | None = None, **overrides: Any) -> Any:
+    """A real ``Scheduler`` (``AsyncScheduler`` when ``async_scheduling``) for ``spec``."""
+    spec = dataclasses.replace(spec or SchedulerSpec(), **overrides)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = _vllm_config(spec)
+    cls = AsyncScheduler if spec.async_scheduling else Scheduler
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config(spec),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=spec.block_size,
+        log_stats=True,
+    )
+
+
+_hash_ready = False
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    block_size: int = 16,
+    max_tokens: int = 8,
+    priority: int = 0,
+    arrival_time: float | None = None,
+) -> Any:
+    """A vLLM ``Request`` with a block hasher, ignoring EOS so lengths are exact."""
+    global _hash_ready
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    kwargs: dict[str, Any] = {}
+    if arrival_time is not None:
+        kwargs["arrival_time"] = arrival_time
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        priority=priority,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+        **kwargs,
+    )

@@ -1,0 +1,272 @@
+"""The shadow-KV oracle: a fake worker that knows what every KV slot really holds.
+
+Each executed step writes, into ``(block_id, offset)``, a fingerprint of the token
+content at that position (a hash chained over the whole prefix, so equal fingerprints
+mean equal KV). Before attention it checks every position each scheduled request
+reads against the fingerprint the request expects there. A mismatch is a violation:
+*never written* (the slot holds nothing) or *wrong content* (it holds another prefix).
+
+The "model" is deterministic: the token after a prefix is a function of that prefix's
+fingerprint, so the worker knows every request's tokens from its prompt alone and
+what it returns as sampled is what vLLM appends.
+
+Within a step all writes (connector loads first, then computed tokens) happen before
+any read, as in one forward pass; steps execute in dispatch order, as on one stream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_prefix_guard.testing.factory import VOCAB_SIZE
+
+NEVER_WRITTEN = "never_written"
+WRONG_CONTENT = "wrong_content"
+
+
+class TokenModel:
+    """Tokens and prefix fingerprints of one prompt's deterministic continuation."""
+
+    __slots__ = ("fingerprints", "tokens")
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.fingerprints: list[int] = []
+
+    def fingerprint(self, position: int) -> int:
+        fps, tokens = self.fingerprints, self.tokens
+        while len(fps) <= position:
+            i = len(fps)
+            if i >= len(tokens):
+                tokens.append(next_token(fps[i - 1]))
+            fps.append(hash((fps[i - 1] if i else 0x5EED, tokens[i])))
+        return fps[position]
+
+
+def next_token(fingerprint: int) -> int:
+    """The fake model's greedy choice after a prefix."""
+    return fingerprint % (VOCAB_SIZE - 1) + 1
+
+
+@dataclass
+class Violation:
+    step: int
+    request_id: str
+    position: int
+    block_id: int
+    kind: str
+
+
+@dataclass
+class ScheduledRead:
+    """One request's part of a step, captured when ``schedule()`` returned."""
+
+    request_id: str
+    model: TokenModel
+    start: int
+    num_tokens: int
+    block_ids: list[int]
+    samples: bool
+
+
+@dataclass
+class StepPlan:
+    output: Any
+    reads: list[ScheduledRead]
+    loads: list[Any]
+
+
+@dataclass
+class ShadowKV:
+    """Slot contents, per block version (for cheap re-verification), and violations."""
+
+    block_size: int
+    slots: dict[int, list[int | None]] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    violations: list[Violation] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+    # (request_id, block index) -> (block_id, version, positions verified)
+    _verified: dict[tuple[str, int], tuple[int, int, int]] = field(default_factory=dict)
+
+    def write(self, block_id: int, offset: int, fingerprint: int) -> None:
+        slots = self.slots.get(block_id)
+        if slots is None:
+            slots = self.slots[block_id] = [None] * self.block_size
+        if slots[offset] != fingerprint:
+            slots[offset] = fingerprint
+            self.versions[block_id] = self.versions.get(block_id, 0) + 1
+
+    def check_reads(self, step: int, read: ScheduledRead, skip_blocks: set[int]) -> None:
+        """Check positions ``[0, read.start)``: the KV this request attends over."""
+        size = self.block_size
+        for index in range(-(-read.start // size)):
+            block_id = read.block_ids[index]
+            upto = min(size, read.start - index * size)
+            version = self.versions.get(block_id, 0)
+            key = (read.request_id, index)
+            seen = self._verified.get(key)
+            if seen is not None and seen[0] == block_id and seen[1] == version and seen[2] >= upto:
+                continue
+            if block_id in skip_blocks:
+                continue
+            slots = self.slots.get(block_id)
+            clean = True
+            for offset in range(upto):
+                position = index * size + offset
+                held = None if slots is None else slots[offset]
+                if held == read.model.fingerprint(position):
+                    continue
+                clean = False
+                kind = NEVER_WRITTEN if held is None else WRONG_CONTENT
+                self.counts[kind] += 1
+                if len(self.violations) < 100:
+                    self.violations.append(
+                        Violation(step, read.request_id, position, block_id, kind)
+                    )
+            if clean:
+                self._verified[key] = (block_id, version, upto)
+
+
+class ShadowWorker:
+    """Executes scheduler outputs against a :class:`ShadowKV` and builds their results."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.block_size: int = scheduler.block_size
+        self.kv = ShadowKV(self.block_size)
+        self.models: dict[str, TokenModel] = {}
+        self.steps_executed = 0
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def plan(self, output: Any) -> StepPlan:
+        """Capture what ``output`` will do, right after ``schedule()`` returned it."""
+        sched = self.scheduler
+        reads = []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = sched.requests[request_id]
+            model = self.models.get(request_id)
+            if model is None:
+                model = self.models[request_id] = TokenModel(request.prompt_token_ids)
+            reads.append(
+                ScheduledRead(
+                    request_id,
+                    model,
+                    request.num_computed_tokens - num_tokens,
+                    num_tokens,
+                    list(sched.kv_cache_manager.get_block_ids(request_id)[0]),
+                    not request.is_prefill_chunk,
+                )
+            )
+        meta = output.kv_connector_metadata
+        loads = list(getattr(meta, "loads", ()) or ())
+        return StepPlan(output, reads, loads)
+
+    def execute(self, plan: StepPlan) -> Any:
+        """Write, then check reads; return the step's ``ModelRunnerOutput``."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        step = self.steps_executed
+        self.steps_executed += 1
+        size = self.block_size
+        invalid: set[int] = set()
+        models = {read.request_id: read.model for read in plan.reads}
+        for load in plan.loads:
+            if load.fails:
+                invalid.update(load.block_ids)
+                continue
+            model = models.get(load.request_id) or self.models[load.request_id]
+            for position in range(load.start, load.start + load.num_tokens):
+                block_id = load.block_ids[position // size - load.start // size]
+                self.kv.write(block_id, position % size, model.fingerprint(position))
+        for read in plan.reads:
+            for position in range(read.start, read.start + read.num_tokens):
+                self.kv.write(
+                    read.block_ids[position // size],
+                    position % size,
+                    read.model.fingerprint(position),
+                )
+        for read in plan.reads:
+            self.kv.check_reads(step, read, invalid)
+        req_ids = [read.request_id for read in plan.reads]
+        sampled = [
+            [next_token(read.model.fingerprint(read.start + read.num_tokens - 1))]
+            if read.samples
+            else []
+            for read in plan.reads
+        ]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid) if invalid else None,
+        )
+
+
+class Driver:
+    """Steps a real scheduler like ``EngineCore`` does, with up to ``depth`` steps in flight.
+
+    ``depth=1`` is ``EngineCore.step``; ``depth=2`` is ``step_with_batch_queue`` under
+    async scheduling: the next ``schedule()`` runs before the previous step's update.
+    Aborts are applied just before an update, where ``EngineCore`` processes them.
+    """
+
+    def __init__(self, scheduler: Any, depth: int = 1) -> None:
+        self.scheduler = scheduler
+        self.worker = ShadowWorker(scheduler)
+        self.depth = depth
+        self.in_flight: deque[StepPlan] = deque()
+        self.pending_aborts: list[str] = []
+        self.outputs: list[Any] = []
+
+    @property
+    def kv(self) -> ShadowKV:
+        return self.worker.kv
+
+    def add(self, request: Any) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> None:
+        self.pending_aborts.append(request_id)
+
+    def schedule(self) -> Any:
+        """Run one ``schedule()`` and queue its step."""
+        output = self.scheduler.schedule()
+        self.in_flight.append(self.worker.plan(output))
+        self.outputs.append(output)
+        return output
+
+    def complete(self) -> Any:
+        """Execute the oldest in-flight step and feed its result to ``update_from_output``."""
+        plan = self.in_flight.popleft()
+        result = self.worker.execute(plan)
+        if self.pending_aborts:
+            from vllm.v1.request import RequestStatus
+
+            self.scheduler.finish_requests(self.pending_aborts, RequestStatus.FINISHED_ABORTED)
+            self.pending_aborts = []
+        self.scheduler.update_from_output(plan.output, result)
+        return result
+
+    def step(self) -> None:
+        """One engine iteration: fill the pipeline, then complete the oldest step."""
+        while len(self.in_flight) < self.depth and self.scheduler.has_requests():
+            self.schedule()
+        if self.in_flight:
+            self.complete()
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until no request is left and nothing is in flight; return steps taken."""
+        for n in range(max_steps):
+            if not self.scheduler.has_requests() and not self.in_flight:
+                return n
+            self.step()
+        raise RuntimeError(f"scheduler still busy after {max_steps} steps")
+
+    @property
+    def violations(self) -> int:
+        return sum(self.kv.counts.values())
