@@ -20,9 +20,8 @@ PATCH_MARKER = "__prefix_guard_patch__"
 
 
 def _is_guard_patch(obj: Any) -> bool:
-    return bool(
-        getattr(obj, PATCH_MARKER, False) or getattr(getattr(obj, "fget", None), PATCH_MARKER, False)
-    )
+    fget = getattr(obj, "fget", None)
+    return bool(getattr(obj, PATCH_MARKER, False) or getattr(fget, PATCH_MARKER, False))
 
 
 class PatchError(RuntimeError):

@@ -57,9 +57,7 @@ class FakeLoadConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         return max(0, self._matched_end(request) - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
         end = self._matched_end(request)

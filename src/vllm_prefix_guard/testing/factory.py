@@ -14,9 +14,10 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-TINY_LLAMA_CONFIG = {
+VOCAB_SIZE = 1024
+TINY_LLAMA_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,
@@ -24,11 +25,10 @@ TINY_LLAMA_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
-    "vocab_size": 1024,
+    "vocab_size": VOCAB_SIZE,
     "max_position_embeddings": 8192,
     "torch_dtype": "float16",
 }
-VOCAB_SIZE = TINY_LLAMA_CONFIG["vocab_size"]
 FAKE_CONNECTOR_NAME = "PrefixGuardFakeLoadConnector"
 
 
@@ -48,8 +48,8 @@ class SchedulerSpec:
     # Admission requires only the next chunk to fit (the notes' reproduction needs it).
     reserve_full_isl: bool = False
     # "fail" or "recompute" attaches the fake KV connector with that load-failure policy.
-    kv_load_failure_policy: str | None = None
-    # Extra kv cache groups besides full attention: "mamba" builds a hybrid layout.
+    kv_load_failure_policy: Literal["fail", "recompute"] | None = None
+    # Any other SchedulerConfig field, passed through.
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
 

@@ -222,6 +222,11 @@ class Driver:
         self.in_flight: deque[StepPlan] = deque()
         self.pending_aborts: list[str] = []
         self.outputs: list[Any] = []
+        # Cache efficiency as vLLM reports it (PrefixCacheStats), summed over the run.
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.scheduled_tokens = 0
+        self.preemptions = 0
 
     @property
     def kv(self) -> ShadowKV:
@@ -238,6 +243,12 @@ class Driver:
         output = self.scheduler.schedule()
         self.in_flight.append(self.worker.plan(output))
         self.outputs.append(output)
+        self.scheduled_tokens += output.total_num_scheduled_tokens
+        self.preemptions += len(output.preempted_req_ids or ())
+        stats = self.scheduler.kv_cache_manager.make_prefix_cache_stats()
+        if stats is not None:
+            self.hit_tokens += stats.hits
+            self.query_tokens += stats.queries
         return output
 
     def complete(self) -> Any:
@@ -253,10 +264,14 @@ class Driver:
         return result
 
     def step(self) -> None:
-        """One engine iteration: fill the pipeline, then complete the oldest step."""
-        while len(self.in_flight) < self.depth and self.scheduler.has_requests():
+        """One engine iteration, as ``step_with_batch_queue``: schedule a step if there is
+        room in the pipeline, then complete the oldest once the pipeline is full (or
+        nothing is left to schedule). With ``depth=1`` this is ``EngineCore.step``."""
+        if len(self.in_flight) < self.depth and self.scheduler.has_requests():
             self.schedule()
-        if self.in_flight:
+        if self.in_flight and (
+            len(self.in_flight) >= self.depth or not self.scheduler.has_requests()
+        ):
             self.complete()
 
     def run(self, max_steps: int = 10_000) -> int:

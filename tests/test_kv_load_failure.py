@@ -1,0 +1,68 @@
+"""KV-connector synchronous load failures (upstream #19330/#26813 machinery).
+
+Sync-loaded blocks are registered in the step that loads them, before the load ran.
+When the worker reports them in ``invalid_block_ids``, stock vLLM evicts their hashes
+only with policy ``fail`` and only for requests still running; under ``recompute``, or
+for a request aborted before the update, they stay hashed and a later request hits KV
+that was never loaded. The guard rolls back, by block id, the failing step's entries on
+the invalid blocks and the same request's later blocks, whatever the policy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.testing.factory import make_request, make_scheduler
+from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, Driver
+
+PROMPT = list(range(1, 65))  # 4 blocks; the connector holds the first 3
+
+
+def run_failed_load(policy: str, abort_before_update: bool) -> Driver:
+    scheduler = make_scheduler(
+        num_blocks=40, kv_load_failure_policy=policy, long_prefill_token_threshold=16
+    )
+    scheduler.connector.external_tokens["r"] = 48
+    scheduler.connector.fail_loads.add("r")
+    driver = Driver(scheduler)
+    driver.add(make_request("r", PROMPT, max_tokens=4))
+    output = driver.schedule()
+    assert output.num_scheduled_tokens == {"r": 16}  # 48 tokens come from the connector
+    if abort_before_update:
+        driver.abort("r")
+    driver.complete()
+    driver.add(make_request("s", PROMPT, max_tokens=4))
+    driver.run()
+    return driver
+
+
+CASES = {
+    "recompute": ("recompute", False, True),
+    "recompute-aborted": ("recompute", True, True),
+    "fail": ("fail", False, False),  # control: stock evicts for running requests
+    "fail-aborted": ("fail", True, True),
+}
+
+
+@pytest.mark.parametrize(("policy", "aborted", "stock_fails"), CASES.values(), ids=CASES.keys())
+def test_failed_load_is_never_hit(mode: str, policy: str, aborted: bool, stock_fails: bool) -> None:
+    driver = run_failed_load(policy, aborted)
+    if mode == "stock":
+        assert (driver.kv.counts[NEVER_WRITTEN] > 0) == stock_fails
+        if stock_fails:
+            assert {v.request_id for v in driver.kv.violations} == {"s"}
+        return
+    assert driver.violations == 0
+    ledger = ledger_of(driver.scheduler)
+    assert ledger is not None and ledger.is_idle
+    assert ledger.stats.rolled_back_kv_load_failure >= 3  # the three loaded blocks at least
+
+
+def test_recompute_re_registers_blocks_once_rewritten(guard: None) -> None:
+    """After the rollback the request that keeps its blocks registers them again when it
+    recomputes them, so the cache is not permanently poorer for the failure."""
+    driver = run_failed_load("recompute", abort_before_update=False)
+    probe = make_request("probe", PROMPT + [5] * 16)
+    num_hit_tokens = driver.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+    assert num_hit_tokens == 64

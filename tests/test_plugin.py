@@ -1,0 +1,166 @@
+"""Activation: the environment switch, idempotency, VLLM_PLUGINS, loud failure, undo."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import vllm
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_prefix_guard import plugin, targets
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.plugin import ENV_VAR, GuardConfigError
+from vllm_prefix_guard.pool import GuardUnsupportedError
+from vllm_prefix_guard.testing.factory import make_scheduler
+
+STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
+PATCHED = {t.qualname for t in targets.SCHEDULER_TARGETS} | {"KVCacheCoordinator.block_pool"}
+
+
+@pytest.fixture
+def guard_log() -> Iterator[list[str]]:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger(plugin.LOGGER_NAME)
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    yield records
+    log.removeHandler(handler)
+    log.setLevel(old_level)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", " on "])
+def test_on_values_apply(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(ENV_VAR, value)
+    plugin.register()
+    assert plugin.is_applied() and set(plugin.applied_targets()) == PATCHED
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "false", "OFF"])
+def test_off_values_do_nothing(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv(ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(ENV_VAR, value)
+    plugin.register()
+    assert not plugin.is_applied() and Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "enabled"])
+def test_bad_values_name_the_variable_and_the_choices(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(ENV_VAR, value)
+    with pytest.raises(GuardConfigError, match=rf"{ENV_VAR}=.*1, true, on.*0, false, off"):
+        plugin.register()
+    assert not plugin.is_applied()
+
+
+def test_register_is_idempotent_and_logs_once_per_target(
+    monkeypatch: pytest.MonkeyPatch, guard_log: list[str]
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "1")
+    plugin.register()
+    first = Scheduler.__dict__["schedule"]
+    plugin.register()
+    plugin.register()
+    assert Scheduler.__dict__["schedule"] is first
+    patched_lines = [line for line in guard_log if "patched" in line]
+    assert len(patched_lines) == len(PATCHED)
+    assert all(f"vLLM {vllm.__version__}" in line for line in patched_lines)
+
+
+def test_concurrent_registration_patches_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "1")
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            plugin.register()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and plugin.is_applied()
+
+
+def _load_general_plugins(monkeypatch: pytest.MonkeyPatch, allowed: str | None) -> None:
+    import vllm.plugins
+
+    if allowed is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", allowed)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()
+
+
+@pytest.mark.parametrize(
+    ("allowed", "applied"),
+    [(None, True), ("prefix_guard", True), ("some_other_plugin", False), ("", False)],
+)
+def test_vllm_loader_honours_vllm_plugins(
+    monkeypatch: pytest.MonkeyPatch, allowed: str | None, applied: bool
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "1")
+    _load_general_plugins(monkeypatch, allowed)
+    assert plugin.is_applied() is applied
+
+
+def test_enabling_through_vllm_loader_guards_new_schedulers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "1")
+    _load_general_plugins(monkeypatch, None)
+    assert ledger_of(make_scheduler()) is not None
+
+
+def test_missing_target_fails_loudly_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(Scheduler, "_update_waiting_for_remote_kv")
+    monkeypatch.setenv(ENV_VAR, "1")
+    with pytest.raises(GuardUnsupportedError) as excinfo:
+        _load_general_plugins(monkeypatch, None)
+    message = str(excinfo.value)
+    assert "Scheduler._update_waiting_for_remote_kv does not exist" in message
+    assert vllm.__version__ in message and "VLLM_PREFIX_GUARD=0" in message
+    assert not plugin.is_applied() and Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
+
+
+def test_changed_signature_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def update_from_output(self: Any, outputs: Any) -> None:  # pragma: no cover
+        return None
+
+    monkeypatch.setattr(Scheduler, "update_from_output", update_from_output)
+    with pytest.raises(GuardUnsupportedError, match="no longer takes scheduler_output"):
+        plugin.apply()
+    assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
+
+
+def test_upstream_fix_present_skips_the_guard(
+    monkeypatch: pytest.MonkeyPatch, guard_log: list[str]
+) -> None:
+    monkeypatch.setattr(BlockPool, "rollback_uncommitted", lambda self, req_id: 0, raising=False)
+    assert plugin.apply() == []
+    assert not plugin.is_applied()
+    assert any("already ships" in line for line in guard_log)
+
+
+def test_undo_restores_stock_vllm() -> None:
+    plugin.apply()
+    assert Scheduler.__dict__["schedule"] is not STOCK_SCHEDULE
+    plugin.undo()
+    assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
+    assert "block_pool" not in vars(KVCacheCoordinator)
+    assert ledger_of(make_scheduler()) is None

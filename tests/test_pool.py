@@ -1,0 +1,200 @@
+"""The pool mixin on vLLM's real ``BlockPool``: duplicates, exact rollback, stale records.
+
+Concurrent requests can materialise one ``(block_hash, group_id)`` in several physical
+blocks (greedy-identical decodes). An index that keeps one block per key leaves the
+siblings without ``block_hash`` and EngineCore dies on ``assert block.block_hash is not
+None`` (kvcached #401/#402). Rolling back or evicting one block must leave its siblings
+hashed and hittable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_prefix_guard import plugin
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.pool import GuardUnsupportedError, PrefixGuardPool, graft
+from vllm_prefix_guard.testing.factory import make_request, make_scheduler
+from vllm_prefix_guard.testing.shadow_kv import Driver
+
+
+def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
+    """Two greedy-identical requests: their second block is one key in two blocks.
+
+    Returns the scheduler, the key, its sibling blocks, and the tokens of the first two
+    blocks (prompt plus the decoded tokens both requests produced).
+    """
+    scheduler = make_scheduler(num_blocks=40)
+    driver = Driver(scheduler)
+    for name in ("x", "y"):
+        driver.add(make_request(name, list(range(1, 17)), max_tokens=24))
+    driver.run()
+    pool = scheduler.kv_cache_manager.block_pool
+    key, siblings = next(
+        (k, v) for k, v in pool.cached_block_hash_to_block._cache.items() if isinstance(v, dict)
+    )
+    assert driver.violations == 0
+    return scheduler, key, list(siblings.values()), driver.worker.models["x"].tokens[:32]
+
+
+def _hit(pool: Any, key: Any) -> Any:
+    return pool.cached_block_hash_to_block.get_one_block(key)
+
+
+def test_evicting_one_duplicate_keeps_its_sibling(mode: str) -> None:
+    scheduler, key, (first, second), _ = duplicated_decode_block()
+    pool = scheduler.kv_cache_manager.block_pool
+    pool.evict_blocks({first.block_id})
+    assert first.block_hash is None
+    assert second.block_hash == key and _hit(pool, key) is second
+
+
+def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
+    """A third, uncommitted copy of the same block is rolled back; the two committed
+    siblings keep their hash and stay hittable (kvcached #401 shape)."""
+    scheduler, key, siblings, tokens = duplicated_decode_block()
+    pool = scheduler.kv_cache_manager.block_pool
+    ledger = ledger_of(scheduler)
+    assert ledger is not None
+    z = make_request("z", tokens)
+    ledger.begin_step()
+    fresh = pool.get_new_blocks(2)
+    pool.cache_full_blocks(z, fresh, 0, 2, 16, 0)
+    assert key in {block.block_hash for block in fresh}
+    ledger.rollback_preempted("z")
+    ledger.abandon_step()
+    assert all(block.block_hash is None for block in fresh)
+    assert all(sibling.block_hash == key for sibling in siblings)
+    assert _hit(pool, key) in siblings
+
+
+def test_rollback_removes_exactly_one_pair_and_emits_block_removed() -> None:
+    """Three blocks under one key; rolling back the uncommitted one leaves two."""
+    scheduler = make_scheduler(num_blocks=16)
+    pool = graft(scheduler.kv_cache_manager.block_pool)
+    pool.enable_kv_cache_events = True
+    ledger = StepLedger(pool)
+    request = make_request("r", list(range(1, 17)))
+    committed = pool.get_new_blocks(2)
+    for block in committed:
+        pool.cache_full_blocks(request, [block], 0, 1, 16, 0)
+    key = committed[0].block_hash
+    ledger.begin_step()
+    (fresh,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(request, [fresh], 0, 1, 16, 0)
+    assert pool.cached_block_hash_to_block.contain(key, fresh.block_id)
+    pool.take_events()
+    ledger.rollback_preempted("r")
+    assert fresh.block_hash is None
+    assert not pool.cached_block_hash_to_block.contain(key, fresh.block_id)
+    assert all(pool.cached_block_hash_to_block.contain(key, b.block_id) for b in committed)
+    (event,) = pool.take_events()
+    assert type(event).__name__ == "BlockRemoved"
+    assert ledger.stats.rolled_back_preempted == 1
+
+
+def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    pool = graft(scheduler.kv_cache_manager.block_pool)
+    ledger = StepLedger(pool)
+    a = make_request("a", list(range(1, 17)))
+    ledger.begin_step()
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(a, [block], 0, 1, 16, 0)
+    ledger.dispatch_step(output := object())
+    # The block is freed, evicted for reuse and re-registered under the same key by b.
+    pool.free_blocks([block])
+    while True:
+        (again,) = pool.get_new_blocks(1)
+        if again is block:
+            break
+    b = make_request("b", list(range(1, 17)))
+    pool.cache_full_blocks(b, [block], 0, 1, 16, 0)
+    undone = ledger.rollback_failed_loads(output, {block.block_id})
+    assert undone == {"a": {block.block_id}}
+    assert block.block_hash is not None  # b's registration survives
+    assert ledger.stats.stale_entries_skipped == 1
+    assert ledger.stats.rolled_back_kv_load_failure == 0
+
+
+def test_partial_key_rolls_back_alone() -> None:
+    """A secondary (partial prefix) key is removed without touching the block's primary."""
+    scheduler = make_scheduler(num_blocks=16)
+    pool = graft(scheduler.kv_cache_manager.block_pool)
+    ledger = StepLedger(pool)
+    request = make_request("r", list(range(1, 33)))
+    (block,) = pool.get_new_blocks(1)
+    # A 32-token cache block over 16-token hashes (hybrid layouts): full key at 32 tokens,
+    # then a partial entry at the 16-token boundary inside it.
+    pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
+    primary = block.block_hash
+    ledger.begin_step()
+    secondary = pool.cache_partial_block(request, block, 16, 0, 32)
+    assert secondary is not None and secondary != primary
+    ledger.rollback_preempted("r")
+    assert block.block_hash == primary
+    assert not pool.cached_block_hash_to_block.contain(secondary, block.block_id)
+    assert block.block_id not in pool.cached_block_hashes_by_block
+
+
+def test_graft_is_idempotent_and_preserves_identity(guard: None) -> None:
+    scheduler = make_scheduler()
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, PrefixGuardPool)
+    assert graft(pool) is pool
+    assert type(pool).__mro__[1] is PrefixGuardPool
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    assert all(m.block_pool is pool for m in managers)
+
+
+def test_graft_refuses_a_pool_without_the_needed_internals() -> None:
+    class ForeignPool:
+        enable_caching = True
+
+    with pytest.raises(GuardUnsupportedError, match="VLLM_PREFIX_GUARD=0"):
+        graft(ForeignPool())
+
+
+def test_disabled_prefix_caching_gets_no_ledger() -> None:
+    plugin.apply()
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    assert ledger_of(scheduler) is None
+    driver = Driver(scheduler)
+    driver.add(make_request("a", list(range(1, 40))))
+    driver.run()
+    assert driver.violations == 0
+
+
+def test_pool_replaced_after_construction_is_grafted(guard: None) -> None:
+    """kvcached swaps its own pool in after vLLM's coordinator ``__init__``; the guard
+    hooks the assignment, so the replacement is guarded whoever wraps last."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    class ReplacementPool(BlockPool):
+        pass
+
+    original_init = KVCacheCoordinator.__init__
+
+    def replacing_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        old = self.block_pool
+        self.block_pool = ReplacementPool(
+            old.num_gpu_blocks, old.enable_caching, old.hash_block_size
+        )
+        for manager in self.single_type_managers:
+            manager.block_pool = self.block_pool
+            manager._null_block = self.block_pool.null_block
+
+    KVCacheCoordinator.__init__ = replacing_init  # type: ignore[method-assign]
+    try:
+        scheduler = make_scheduler()
+    finally:
+        KVCacheCoordinator.__init__ = original_init  # type: ignore[method-assign]
+    pool = scheduler.kv_cache_manager.block_pool
+    assert isinstance(pool, ReplacementPool) and isinstance(pool, PrefixGuardPool)
+    ledger = ledger_of(scheduler)
+    assert ledger is not None and ledger.pool is pool

@@ -1,0 +1,84 @@
+"""Same-step sharing stays intact, and a same-step dependent of a rollback recomputes.
+
+vLLM registers a step's full blocks before the forward so that other requests in the
+same batch reuse them (identical prompts, ``n>1`` children): one forward writes every
+layer's KV for the whole batch before attention reads it. The guard must not hide
+those entries. If the writer is withdrawn from the step after a reader hit them, the
+reader would attend over KV nobody writes: vLLM 0.32/0.33 cannot do that (lookups run
+only when the running loop preempted nobody), so the last test simulates a scheduler
+that can, and checks the reader is preempted to recompute.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm_prefix_guard import plugin
+from vllm_prefix_guard.hooks import ledger_of, withdraw_from_output
+from vllm_prefix_guard.testing.factory import make_request, make_scheduler
+from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, Driver
+
+
+def first_step(prompt_len: int, copies: int) -> tuple[dict[str, int], int]:
+    scheduler = make_scheduler(num_blocks=200, max_num_batched_tokens=4096)
+    driver = Driver(scheduler)
+    prompt = list(range(1, prompt_len + 1))
+    for i in range(copies):
+        driver.add(make_request(f"n{i}", prompt, max_tokens=4))
+    output = driver.schedule()
+    driver.complete()
+    driver.run()
+    return dict(output.num_scheduled_tokens), driver.violations
+
+
+def test_identical_prompts_share_fresh_blocks_in_one_step() -> None:
+    stock = first_step(64, 2)
+    plugin.apply()
+    guarded = first_step(64, 2)
+    assert stock == guarded == ({"n0": 64, "n1": 16}, 0)
+
+
+def test_parallel_sampling_children_share_the_prompt() -> None:
+    """``n=4`` on a 512-token prompt: 512 + 3 x 16 tokens, not 4 x 512 (notes §2.3)."""
+    stock = first_step(512, 4)
+    plugin.apply()
+    guarded = first_step(512, 4)
+    assert sum(guarded[0].values()) == sum(stock[0].values()) == 560
+    assert guarded[1] == stock[1] == 0
+
+
+def preempt_writer_after_waiting_loop(scheduler: Any, writer: str) -> None:
+    """Make this scheduler withdraw and preempt ``writer`` at the end of ``schedule()``,
+    after a reader hit its fresh blocks: what a scheduler that preempts late would do."""
+    original = scheduler._update_after_schedule
+
+    def _update_after_schedule(output: Any) -> None:
+        del scheduler._update_after_schedule  # once
+        request = scheduler.requests[writer]
+        withdraw_from_output(output, writer)
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, time.monotonic())
+        output.preempted_req_ids = {*(output.preempted_req_ids or ()), writer}
+        original(output)
+
+    scheduler._update_after_schedule = _update_after_schedule
+
+
+def test_same_step_dependent_of_rollback_recomputes(mode: str) -> None:
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=1024)
+    driver = Driver(scheduler)
+    prompt = list(range(1, 65))
+    driver.add(make_request("writer", prompt, max_tokens=4))
+    driver.add(make_request("reader", prompt, max_tokens=4))
+    preempt_writer_after_waiting_loop(scheduler, "writer")
+    driver.run()
+    if mode == "stock":
+        assert driver.kv.counts[NEVER_WRITTEN] > 0
+        assert "reader" in {v.request_id for v in driver.kv.violations}
+        return
+    assert driver.violations == 0
+    ledger = ledger_of(scheduler)
+    assert ledger is not None
+    assert ledger.stats.dependents_preempted == 1 and ledger.is_idle
+    assert scheduler.requests == {}  # both finished after recomputing

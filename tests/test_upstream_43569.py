@@ -1,0 +1,181 @@
+"""Upstream PR #43569's tests (``tests/v1/core/test_eager_cache_zombie.py``), re-expressed.
+
+The PR's tests drive ``KVCacheManager`` and its ``begin_step``/``rollback_uncommitted``
+API; here the same situations drive the real manager with the guard's ledger (or, on
+stock, without it) and assert both ways. Test 7 (preemption through the real
+``schedule()``) lives in ``test_preemption.py``; the PR's all-bucket rollback on
+preemption is deliberately *not* reproduced (test 6 pins the difference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.pool import graft
+from vllm_prefix_guard.testing.factory import (
+    SchedulerSpec,
+    kv_cache_config,
+    make_request,
+    make_scheduler,
+)
+from vllm_prefix_guard.testing.shadow_kv import Driver
+
+
+def _manager_and_ledger(mode: str, **spec: Any) -> tuple[Any, StepLedger | None]:
+    scheduler = make_scheduler(**spec)
+    return scheduler.kv_cache_manager, ledger_of(scheduler)
+
+
+def _hashed(pool: Any) -> int:
+    return len(pool.cached_block_hash_to_block)
+
+
+def test_rollback_evicts_preempt_zombies(mode: str) -> None:
+    """PR test 1: entries registered for a step that never runs do not survive free()."""
+    manager, ledger = _manager_and_ledger(mode, num_blocks=11)
+    a = make_request("a", list(range(1, 33)))
+    if ledger is not None:
+        ledger.begin_step()
+    manager.allocate_slots(a, 32)
+    blocks = manager.get_blocks("a").blocks[0]
+    if ledger is not None:
+        assert ledger.open is not None and ledger.open.size == 2
+        ledger.rollback_preempted("a")
+    manager.free(a)
+    superset = make_request("b", list(range(1, 33)) + [99] * 16)
+    num_hit_tokens = manager.get_computed_blocks(superset)[1]
+    if mode == "stock":
+        assert _hashed(manager.block_pool) == 2 and num_hit_tokens == 32
+        return
+    assert _hashed(manager.block_pool) == 0 and num_hit_tokens == 0
+    assert all(b.block_hash is None and b.ref_cnt == 0 for b in blocks)
+
+
+def _hybrid_manager(mode: str) -> tuple[Any, StepLedger | None]:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    config = kv_cache_config(SchedulerSpec(num_blocks=30), hybrid_mamba=True)
+    manager = KVCacheManager(
+        config, max_model_len=1024, scheduler_block_size=16, hash_block_size=16
+    )
+    ledger = StepLedger(graft(manager.block_pool)) if mode == "guard" else None
+    return manager, ledger
+
+
+def test_rollback_covers_hybrid_attention_and_mamba_groups(mode: str) -> None:
+    """PR test 2: every group's eager entries go, full attention and Mamba alike."""
+    manager, ledger = _hybrid_manager(mode)
+    a = make_request("a", list(range(1, 49)))
+    if ledger is not None:
+        ledger.begin_step()
+    manager.new_step_starts()
+    assert manager.allocate_slots(a, 48) is not None
+    pool = manager.block_pool
+    groups = {key[-4:] for key in pool.cached_block_hash_to_block._cache}
+    assert len(groups) == 2  # both groups registered eagerly
+    if ledger is not None:
+        ledger.rollback_preempted("a")
+    manager.free(a)
+    assert _hashed(pool) == (4 if mode == "stock" else 0)
+
+
+def test_normal_finish_keeps_committed_entries(guard: None) -> None:
+    """PR test 3: a committed step's entries survive the finish path's free()."""
+    scheduler = make_scheduler(num_blocks=11)
+    driver = Driver(scheduler)
+    driver.add(make_request("a", list(range(1, 33)), max_tokens=1))
+    driver.run()
+    ledger = ledger_of(scheduler)
+    assert ledger is not None and ledger.is_idle
+    assert _hashed(scheduler.kv_cache_manager.block_pool) == 2
+    assert ledger.stats.rolled_back == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_confirmed_registrations_are_not_tracked(
+    guard: None, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PR test 4 (``committed=True``): only ``allocate_slots`` registrations are tracked.
+
+    Registrations made by ``update_from_output`` (0.33) or the async scheduler's output
+    path (0.32) happen after the step's output arrived; they must never be rolled back.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vllm_prefix_guard.ledger import StepBucket
+
+    inside = {"depth": 0, "outside_records": 0}
+    allocate_slots = KVCacheManager.allocate_slots
+    record = StepBucket.record
+
+    def counting_allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inside["depth"] += 1
+        try:
+            return allocate_slots(self, *args, **kwargs)
+        finally:
+            inside["depth"] -= 1
+
+    def checking_record(self: Any, *args: Any) -> None:
+        if not inside["depth"]:
+            inside["outside_records"] += 1
+        record(self, *args)
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", counting_allocate_slots)
+    monkeypatch.setattr(StepBucket, "record", checking_record)
+    scheduler = make_scheduler(num_blocks=40, async_scheduling=async_scheduling)
+    driver = Driver(scheduler, depth=2 if async_scheduling else 1)
+    for i in range(3):
+        driver.add(make_request(f"r{i}", list(range(1, 71)), max_tokens=40))
+    driver.run()
+    ledger = ledger_of(scheduler)
+    assert ledger is not None
+    assert ledger.stats.registrations_tracked > 0
+    assert inside["outside_records"] == 0
+    assert driver.violations == 0 and ledger.is_idle
+
+
+def test_reset_prefix_cache_clears_ledger(guard: None) -> None:
+    """PR test 5: after a reset no stale entry can later unregister a reused block."""
+    scheduler = make_scheduler(num_blocks=40, async_scheduling=True)
+    driver = Driver(scheduler, depth=2)
+    for i in range(2):
+        driver.add(make_request(f"r{i}", list(range(1, 81)), max_tokens=30))
+    driver.step()
+    driver.step()
+    ledger = ledger_of(scheduler)
+    assert ledger is not None and ledger.steps_in_flight >= 1
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert ledger.steps_in_flight == 0 and ledger.stats.uncommitted_entries == 0
+    driver.run()
+    assert driver.violations == 0 and ledger.is_idle
+
+
+def test_steps_in_flight_commit_in_order_and_survive_abort(mode: str) -> None:
+    """PR test 6: with two steps in flight, ``update_from_output`` commits only its own
+    step; aborting a request whose step is in flight keeps its entries, because that
+    step still writes them (the PR would roll them back and lose valid hits)."""
+    scheduler = make_scheduler(num_blocks=40, async_scheduling=True)
+    driver = Driver(scheduler, depth=2)
+    prompt = list(range(1, 33))
+    driver.add(make_request("a", prompt, max_tokens=8))
+    driver.add(make_request("b", list(range(500, 532)), max_tokens=8))
+    driver.schedule()
+    driver.schedule()
+    ledger = ledger_of(scheduler)
+    if ledger is not None:
+        assert ledger.steps_in_flight == 2
+    driver.abort("b")
+    driver.complete()
+    if ledger is not None:
+        assert ledger.steps_in_flight == 1
+    driver.run()
+    late = make_request("late", list(range(500, 532)) + [7] * 16)
+    num_hit_tokens = scheduler.kv_cache_manager.get_computed_blocks(late)[1]
+    assert num_hit_tokens == 32  # b's blocks were written and stay hittable
+    assert driver.violations == 0
+    if ledger is not None:
+        assert ledger.is_idle and ledger.stats.rolled_back == 0
