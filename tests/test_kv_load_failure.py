@@ -14,7 +14,7 @@ import pytest
 
 from vllm_prefix_guard.hooks import ledger_of
 from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, Driver
+from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT, Driver
 
 PROMPT = list(range(1, 65))  # 4 blocks; the connector holds the first 3
 
@@ -66,3 +66,35 @@ def test_recompute_re_registers_blocks_once_rewritten(guard: None) -> None:
     probe = make_request("probe", PROMPT + [5] * 16)
     num_hit_tokens = driver.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
     assert num_hit_tokens == 64
+
+
+def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
+    """Two steps in flight: the step after the failing one already computed (and
+    registered) more of the prompt on top of the invalid KV; those entries go too."""
+    scheduler = make_scheduler(
+        num_blocks=40,
+        kv_load_failure_policy="recompute",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        async_scheduling=True,
+    )
+    scheduler.connector.external_tokens["r"] = 48
+    scheduler.connector.fail_loads.add("r")
+    driver = Driver(scheduler, depth=2)
+    prompt = list(range(1, 97))
+    driver.add(make_request("r", prompt, max_tokens=4))
+    failing = driver.schedule()
+    following = driver.schedule()
+    assert failing.num_scheduled_tokens == {"r": 32}  # blocks 3-4, over the invalid prefix
+    assert following.num_scheduled_tokens == {"r": 16}  # block 5, likewise
+    driver.complete()
+    driver.add(make_request("s", prompt, max_tokens=4))
+    driver.run()
+    if mode == "stock":
+        assert driver.kv.counts[NEVER_WRITTEN] > 0 and driver.kv.counts[WRONG_CONTENT] > 0
+        assert {v.request_id for v in driver.kv.violations} == {"s"}
+        return
+    assert driver.violations == 0
+    ledger = ledger_of(scheduler)
+    assert ledger is not None and ledger.stats.rolled_back_kv_load_failure == 6

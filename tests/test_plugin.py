@@ -164,3 +164,30 @@ def test_undo_restores_stock_vllm() -> None:
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
     assert "block_pool" not in vars(KVCacheCoordinator)
     assert ledger_of(make_scheduler()) is None
+
+
+def test_fresh_process_needs_only_the_environment() -> None:
+    """What vLLM does in a new EngineCore process: load_general_plugins(), nothing else."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import vllm.plugins\n"
+        "vllm.plugins.load_general_plugins()\n"
+        "from vllm_prefix_guard import plugin\n"
+        "from vllm_prefix_guard.hooks import ledger_of\n"
+        "from vllm_prefix_guard.testing.factory import make_scheduler\n"
+        "assert plugin.is_applied(), 'guard not applied'\n"
+        "assert ledger_of(make_scheduler()) is not None, 'no ledger'\n"
+        "print('guarded')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env[ENV_VAR] = "1"
+    env["VLLM_LOGGING_LEVEL"] = "INFO"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "guarded" in result.stdout
+    assert "vllm-prefix-guard: patched Scheduler.schedule" in result.stdout + result.stderr

@@ -12,6 +12,8 @@ what it returns as sampled is what vLLM appends.
 
 Within a step all writes (connector loads first, then computed tokens) happen before
 any read, as in one forward pass; steps execute in dispatch order, as on one stream.
+KV computed by a request that read wrong KV is itself wrong (*poisoned*): readers of it
+see *wrong content*, which is how garbage propagates through a real model.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class StepPlan:
     output: Any
     reads: list[ScheduledRead]
     loads: list[Any]
+    # How many load-failure reports the worker had made when this step was scheduled.
+    reports_before: int = 0
 
 
 @dataclass
@@ -98,9 +102,19 @@ class ShadowKV:
             slots[offset] = fingerprint
             self.versions[block_id] = self.versions.get(block_id, 0) + 1
 
-    def check_reads(self, step: int, read: ScheduledRead, skip_blocks: set[int]) -> None:
-        """Check positions ``[0, read.start)``: the KV this request attends over."""
+    def check_reads(
+        self, step: int, read: ScheduledRead, skip_blocks: set[int], record: bool = True
+    ) -> bool:
+        """Check positions ``[0, read.start)``: the KV this request attends over.
+
+        Reads of ``skip_blocks`` (this step's failed loads: vLLM is told and discards the
+        affected outputs) are not violations, but still make the read unclean.
+
+        Returns:
+            Whether every read position held the expected content.
+        """
         size = self.block_size
+        clean_read = True
         for index in range(-(-read.start // size)):
             block_id = read.block_ids[index]
             upto = min(size, read.start - index * size)
@@ -110,6 +124,7 @@ class ShadowKV:
             if seen is not None and seen[0] == block_id and seen[1] == version and seen[2] >= upto:
                 continue
             if block_id in skip_blocks:
+                clean_read = False
                 continue
             slots = self.slots.get(block_id)
             clean = True
@@ -119,14 +134,25 @@ class ShadowKV:
                 if held == read.model.fingerprint(position):
                     continue
                 clean = False
+                if not record:
+                    break
                 kind = NEVER_WRITTEN if held is None else WRONG_CONTENT
                 self.counts[kind] += 1
                 if len(self.violations) < 100:
                     self.violations.append(
                         Violation(step, read.request_id, position, block_id, kind)
                     )
-            if clean:
+            if clean and record:
                 self._verified[key] = (block_id, version, upto)
+            clean_read &= clean
+            if not clean_read and not record:
+                return False
+        return clean_read
+
+
+def poisoned(fingerprint: int) -> int:
+    """What a slot holds when its KV was computed over wrong KV: never the right content."""
+    return ~fingerprint
 
 
 class ShadowWorker:
@@ -138,6 +164,8 @@ class ShadowWorker:
         self.kv = ShadowKV(self.block_size)
         self.models: dict[str, TokenModel] = {}
         self.steps_executed = 0
+        # (invalid block ids, requests whose load failed) per executed step that had any.
+        self.failure_reports: list[tuple[set[int], set[str]]] = []
 
     @property
     def connector(self) -> Any:
@@ -164,7 +192,17 @@ class ShadowWorker:
             )
         meta = output.kv_connector_metadata
         loads = list(getattr(meta, "loads", ()) or ())
-        return StepPlan(output, reads, loads)
+        return StepPlan(output, reads, loads, len(self.failure_reports))
+
+    def _write_computed(self, read: ScheduledRead, poison: bool) -> None:
+        size = self.block_size
+        for position in range(read.start, read.start + read.num_tokens):
+            fingerprint = read.model.fingerprint(position)
+            self.kv.write(
+                read.block_ids[position // size],
+                position % size,
+                poisoned(fingerprint) if poison else fingerprint,
+            )
 
     def execute(self, plan: StepPlan) -> Any:
         """Write, then check reads; return the step's ``ModelRunnerOutput``."""
@@ -174,24 +212,52 @@ class ShadowWorker:
         self.steps_executed += 1
         size = self.block_size
         invalid: set[int] = set()
+        failed_requests: set[str] = set()
         models = {read.request_id: read.model for read in plan.reads}
         for load in plan.loads:
             if load.fails:
                 invalid.update(load.block_ids)
+                failed_requests.add(load.request_id)
                 continue
             model = models.get(load.request_id) or self.models[load.request_id]
             for position in range(load.start, load.start + load.num_tokens):
                 block_id = load.block_ids[position // size - load.start // size]
                 self.kv.write(block_id, position % size, model.fingerprint(position))
+        if invalid:
+            self.failure_reports.append((invalid, failed_requests))
+        # Failed loads reported after this step was dispatched: vLLM learns of them at
+        # the report and recomputes; reads of those blocks, and every read of the request
+        # whose load failed, are its known loss in this step, not a prefix-cache hit.
+        known_failed: set[int] = set()
+        known_lost: set[str] = set()
+        for blocks, requests in self.failure_reports[plan.reports_before :]:
+            known_failed |= blocks
+            known_lost |= requests
         for read in plan.reads:
-            for position in range(read.start, read.start + read.num_tokens):
-                self.kv.write(
-                    read.block_ids[position // size],
-                    position % size,
-                    read.model.fingerprint(position),
+            self._write_computed(read, poison=False)
+        # KV of a token is computed from attention over its prefix (from the second
+        # layer on): a request that read wrong KV writes wrong KV, and so may a request
+        # reading that in the same step. Mark writers of bad reads until nothing changes.
+        tainted: set[str] = set()
+        while True:
+            bad = {
+                read.request_id
+                for read in plan.reads
+                if read.request_id not in tainted
+                and (
+                    read.request_id in known_lost
+                    or not self.kv.check_reads(step, read, known_failed, record=False)
                 )
+            }
+            if not bad:
+                break
+            tainted |= bad
+            for read in plan.reads:
+                if read.request_id in bad:
+                    self._write_computed(read, poison=True)
         for read in plan.reads:
-            self.kv.check_reads(step, read, invalid)
+            if read.request_id not in known_lost:
+                self.kv.check_reads(step, read, known_failed)
         req_ids = [read.request_id for read in plan.reads]
         sampled = [
             [next_token(read.model.fingerprint(read.start + read.num_tokens - 1))]
