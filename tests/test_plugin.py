@@ -167,12 +167,16 @@ def test_undo_restores_stock_vllm() -> None:
 
 
 def test_fresh_process_needs_only_the_environment() -> None:
-    """What vLLM does in a new EngineCore process: load_general_plugins(), nothing else."""
+    """What vLLM does in a new EngineCore process (``run_engine_core``): configure logging,
+    then ``load_general_plugins()`` in ``EngineCore.__init__``; nothing else."""
     import os
     import subprocess
     import sys
 
     code = (
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig())\n"
         "import vllm.plugins\n"
         "vllm.plugins.load_general_plugins()\n"
         "from vllm_prefix_guard import plugin\n"
