@@ -40,6 +40,12 @@ def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
     return scheduler, key, list(siblings.values()), driver.worker.models["x"].tokens[:32]
 
 
+def guarded_pool() -> tuple[Any, StepLedger]:
+    """vLLM's real pool of a fresh scheduler, grafted, with a ledger driven by hand."""
+    pool = graft(make_scheduler(num_blocks=16).kv_cache_manager.block_pool)
+    return pool, StepLedger(pool)
+
+
 def _hit(pool: Any, key: Any) -> Any:
     return pool.cached_block_hash_to_block.get_one_block(key)
 
@@ -73,10 +79,8 @@ def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
 
 def test_rollback_removes_exactly_one_pair_and_emits_block_removed() -> None:
     """Three blocks under one key; rolling back the uncommitted one leaves two."""
-    scheduler = make_scheduler(num_blocks=16)
-    pool = graft(scheduler.kv_cache_manager.block_pool)
+    pool, ledger = guarded_pool()
     pool.enable_kv_cache_events = True
-    ledger = StepLedger(pool)
     request = make_request("r", list(range(1, 17)))
     committed = pool.get_new_blocks(2)
     for block in committed:
@@ -97,9 +101,7 @@ def test_rollback_removes_exactly_one_pair_and_emits_block_removed() -> None:
 
 
 def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
-    scheduler = make_scheduler(num_blocks=16)
-    pool = graft(scheduler.kv_cache_manager.block_pool)
-    ledger = StepLedger(pool)
+    pool, ledger = guarded_pool()
     a = make_request("a", list(range(1, 17)))
     ledger.begin_step()
     (block,) = pool.get_new_blocks(1)
@@ -122,9 +124,7 @@ def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
 
 def test_partial_key_rolls_back_alone() -> None:
     """A secondary (partial prefix) key is removed without touching the block's primary."""
-    scheduler = make_scheduler(num_blocks=16)
-    pool = graft(scheduler.kv_cache_manager.block_pool)
-    ledger = StepLedger(pool)
+    pool, ledger = guarded_pool()
     request = make_request("r", list(range(1, 33)))
     (block,) = pool.get_new_blocks(1)
     # A 32-token cache block over 16-token hashes (hybrid layouts): full key at 32 tokens,

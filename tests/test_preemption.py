@@ -10,6 +10,7 @@ arrives later. On stock vLLM C and the resumed A read a block that was never wri
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -97,3 +98,38 @@ def test_preemption_counts_and_hits_match_stock_under_fcfs() -> None:
     guarded = run()
     assert stock[1] > 0  # the pool is small enough to preempt
     assert guarded == stock
+
+
+def test_async_victims_with_steps_in_flight_keep_their_entries() -> None:
+    """Two steps in flight: a victim whose previous step is still executing keeps that
+    step's entries (it will write them). Hits and preemptions equal stock's; nothing is
+    rolled back (upstream #43569 would roll back every in-flight bucket of the victim)."""
+    from vllm_prefix_guard import plugin
+
+    def run() -> tuple[tuple[int, int, int], Driver]:
+        scheduler = make_scheduler(
+            num_blocks=28,
+            max_num_batched_tokens=96,
+            long_prefill_token_threshold=32,
+            async_scheduling=True,
+        )
+        driver = Driver(scheduler, depth=2)
+        prefix = list(range(1, 65))
+        for i in range(10):
+            driver.add(make_request(f"r{i}", prefix + [700 + i] * (8 + 8 * i), max_tokens=24))
+        driver.run()
+        return (driver.hit_tokens, driver.preemptions, driver.violations), driver
+
+    stock, _ = run()
+    plugin.apply()
+    guarded, driver = run()
+    assert stock[1] > 0 and guarded == stock
+    # Some victim was preempted while its previous step was still in flight.
+    outputs = driver.outputs
+    assert any(
+        victim in earlier.num_scheduled_tokens
+        for earlier, later in pairwise(outputs)
+        for victim in later.preempted_req_ids or ()
+    )
+    ledger = ledger_of(driver.scheduler)
+    assert ledger is not None and ledger.stats.rolled_back == 0 and ledger.is_idle

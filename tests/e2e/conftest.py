@@ -1,0 +1,55 @@
+"""Fixtures for the end-to-end tests: the tiny model and api_server processes.
+
+Servers are started through :class:`vllm_prefix_guard.demo.ApiServer`, each in its own process
+group on a free loopback port, and every server a fixture starts is stopped (SIGTERM, then
+SIGKILL to the whole group) in that fixture's finalizer, whether the tests passed or not.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_prefix_guard.demo import ApiServer
+from vllm_prefix_guard.tiny_model import generate_tiny_model
+
+# vLLM's CPU backend sizes its KV cache from this (GiB); the tests override the block count.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+LaunchServer = Callable[..., ApiServer]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The deterministic tiny Llama checkpoint, generated once per session."""
+    return generate_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def launch_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LaunchServer]:
+    """Start api_servers (not waiting for them); all are stopped when the module ends.
+
+    The returned callable takes a name (for the log directory) and the keywords of
+    :meth:`ApiServer.for_model`: ``guard`` (the value of ``VLLM_PREFIX_GUARD``, or ``None`` to
+    leave it unset), ``stats_file``, and :func:`~vllm_prefix_guard.demo.serve_args` keywords.
+    """
+    servers: list[ApiServer] = []
+
+    def launch(name: str, *, guard: str | None, **serve_kwargs: Any) -> ApiServer:
+        log_path = tmp_path_factory.mktemp(name) / "server.log"
+        server = ApiServer.for_model(tiny_model, log_path, guard=guard, **serve_kwargs)
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield launch
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,257 @@
+"""Engine-level reproduction: a prefix-cache hit on KV that was never written.
+
+The scheduler-level layout (``tests/test_preemption.py``, shared notes "Findings") scaled from
+block size 16 to 32 and run on a real in-process ``LLMEngine`` with the tiny Llama model:
+
+* 20 KV blocks of 32 tokens (``num_gpu_blocks_override=20``, the null block being one of them,
+  exactly like the scheduler-level ``KVCacheConfig(num_blocks=20)``), priority policy,
+  ``long_prefill_token_threshold=128``, ``max_num_batched_tokens=512``,
+  ``scheduler_reserve_full_isl=False``;
+* D (32 tokens, priority 0, 3 outputs) and A (320 tokens, priority 1) arrive; one step;
+  B (240 tokens, priority 0) arrives; two steps. In the second, A is scheduled first and
+  registers its blocks 9 and 10 (tokens 256-319), then B cannot allocate and A, already
+  scheduled, is the victim. A's step is withdrawn, so those blocks are never written, but
+  stock vLLM keeps their hashes;
+* C arrives with A's prompt. On stock vLLM it hits 288 tokens, block 9 included, and attends
+  over memory that holds no KV of its prompt; so does A when it resumes.
+
+With the guard, A's registrations of the withdrawn step are rolled back when it is preempted:
+C hits 256 tokens and recomputes the rest, and every completion matches an engine without
+prefix caching. Measured on vLLM 0.32 (CPU, float32): stock C and A differ from the reference
+from their first token on (top logprob off by 0.82 nat), the guard matches to within 1.2e-5.
+
+``VLLM_PREFIX_GUARD_E2E_ASYNC_SCHEDULING=1`` runs the same scenario with async scheduling (two
+batches in flight), for ``scripts/gpu_check.sh``; vLLM's CPU backend always schedules
+synchronously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_prefix_guard import plugin
+from vllm_prefix_guard.demo import LOGPROB_ATOL, TOP_LOGPROBS, Completion, compare_completions
+
+pytestmark = pytest.mark.e2e
+
+ASYNC_SCHEDULING = os.environ.get("VLLM_PREFIX_GUARD_E2E_ASYNC_SCHEDULING") == "1"
+
+
+@dataclass(frozen=True)
+class ZombieLayout:
+    """The scheduler-level layout (block size 16) scaled by ``scale`` (2 for block size 32)."""
+
+    scale: int = 2
+    num_gpu_blocks: int = 20
+    max_model_len: int = 512
+    output_tokens: int = 8
+
+    @property
+    def block_size(self) -> int:
+        return 16 * self.scale
+
+    def tokens(self, n16: int, offset: int) -> list[int]:
+        """``n16`` tokens at block size 16, scaled; distinct per ``offset``, below the tiny
+        model's special ids."""
+        return [(offset * 7 + i * 13) % 500 for i in range(n16 * self.scale)]
+
+    def engine_args(self, model: Path, *, prefix_caching: bool) -> Any:
+        from vllm.engine.arg_utils import EngineArgs
+
+        return EngineArgs(
+            model=str(model),
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            block_size=self.block_size,
+            num_gpu_blocks_override=self.num_gpu_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=16,
+            enable_prefix_caching=prefix_caching,
+            scheduling_policy="priority",
+            long_prefill_token_threshold=64 * self.scale,
+            max_num_batched_tokens=256 * self.scale,
+            scheduler_reserve_full_isl=False,
+            async_scheduling=ASYNC_SCHEDULING,
+        )
+
+
+LAYOUT = ZombieLayout()
+
+
+@dataclass
+class ScenarioRun:
+    """What one engine did with the scenario."""
+
+    completions: dict[str, Completion] = field(default_factory=dict)
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    #: Per ``schedule()`` call, the requests it preempted (external ids).
+    preempted: list[set[str]] = field(default_factory=list)
+    async_scheduling: bool = False
+
+
+def run_scenario(model: Path, *, prefix_caching: bool) -> ScenarioRun:
+    """Drive the layout step by step on a fresh in-process engine."""
+    from vllm import SamplingParams
+
+    run = ScenarioRun()
+    with _engine(model, prefix_caching=prefix_caching) as engine:
+        core = engine.engine_core.engine_core  # InprocClient -> EngineCore
+        run.async_scheduling = bool(core.vllm_config.scheduler_config.async_scheduling)
+        _trace_preemptions(core.scheduler, run.preempted)
+
+        def add(name: str, prompt: list[int], priority: int, max_tokens: int) -> None:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS, ignore_eos=True
+            )
+            engine.add_request(name, {"prompt_token_ids": prompt}, params, priority=priority)
+
+        def step() -> None:
+            for output in engine.step():
+                if output.finished:
+                    run.completions[output.request_id] = Completion.from_vllm_output(
+                        output.outputs[0]
+                    )
+                    run.num_cached_tokens[output.request_id] = output.num_cached_tokens or 0
+
+        a_prompt = LAYOUT.tokens(160, offset=1)
+        add("D", LAYOUT.tokens(16, offset=3), priority=0, max_tokens=3)
+        add("A", a_prompt, priority=1, max_tokens=LAYOUT.output_tokens)
+        step()
+        add("B", LAYOUT.tokens(120, offset=2), priority=0, max_tokens=LAYOUT.output_tokens)
+        step()
+        step()
+        add("C", a_prompt, priority=0, max_tokens=LAYOUT.output_tokens)
+        while engine.has_unfinished_requests():
+            step()
+    return run
+
+
+@contextlib.contextmanager
+def _engine(model: Path, *, prefix_caching: bool) -> Iterator[Any]:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(LAYOUT.engine_args(model, prefix_caching=prefix_caching))
+    try:
+        yield engine
+    finally:
+        engine.engine_core.shutdown()
+        del engine
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def _trace_preemptions(scheduler: Any, preempted: list[set[str]]) -> None:
+    """Record the preempted requests of every ``schedule()`` call of this scheduler instance.
+
+    Wraps the bound method on the instance only, so stock vLLM and the guard's class-level
+    wrapper both run unchanged underneath.
+    """
+    schedule = scheduler.schedule
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        preempted.append({_external_id(r) for r in output.preempted_req_ids or ()})
+        return output
+
+    scheduler.schedule = traced
+
+
+def _external_id(internal_id: str) -> str:
+    # LLMEngine makes request ids unique with a random "-<hex>" suffix.
+    return internal_id.partition("-")[0]
+
+
+def _differences(run: ScenarioRun, reference: ScenarioRun) -> dict[str, str]:
+    assert run.completions.keys() == reference.completions.keys() == {"A", "B", "C", "D"}
+    differences = {}
+    for name, completion in run.completions.items():
+        problem = compare_completions(completion, reference.completions[name], LOGPROB_ATOL)
+        if problem is not None:
+            differences[name] = problem
+    return differences
+
+
+# -- fixtures: one engine run each, shared by the tests of this module ------------------------
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_engine(monkeypatch_module: pytest.MonkeyPatch) -> None:
+    # Keep the EngineCore in this process, so its scheduler can be observed and so that the
+    # guard applied here is the guard the engine runs.
+    monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch_module.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch_module.delenv("VLLM_PREFIX_GUARD", raising=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> ScenarioRun:
+    """The scenario without prefix caching: what every completion must look like."""
+    plugin.undo()
+    return run_scenario(tiny_model, prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model: Path) -> ScenarioRun:
+    plugin.undo()
+    assert not plugin.is_applied()
+    return run_scenario(tiny_model, prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model: Path, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[ScenarioRun]:
+    """The scenario with the guard applied the way vLLM applies it: through ``register()``
+    with ``VLLM_PREFIX_GUARD=1``."""
+    plugin.undo()
+    monkeypatch_module.setenv("VLLM_PREFIX_GUARD", "1")
+    try:
+        plugin.register()
+        assert plugin.is_applied()
+        yield run_scenario(tiny_model, prefix_caching=True)
+    finally:
+        plugin.undo()
+        monkeypatch_module.delenv("VLLM_PREFIX_GUARD")
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_scenario_runs_as_laid_out(reference: ScenarioRun, stock: ScenarioRun) -> None:
+    """A is preempted in the third ``schedule()`` call (the one where it was scheduled first),
+    in every engine; and the requested scheduling mode took effect."""
+    for run in (reference, stock):
+        assert "A" in run.preempted[2], run.preempted[:4]
+        assert run.async_scheduling == ASYNC_SCHEDULING
+
+
+def test_stock_prefix_caching_reads_unwritten_kv(
+    reference: ScenarioRun, stock: ScenarioRun
+) -> None:
+    """Stock vLLM: C hits A's never-written block 9, and C and the resumed A diverge."""
+    assert stock.num_cached_tokens["C"] == 9 * LAYOUT.block_size
+    differences = _differences(stock, reference)
+    assert {"A", "C"} <= differences.keys(), differences
+    # B and D never touch A's blocks: proof that the tolerance is not what fails A and C.
+    assert "B" not in differences and "D" not in differences, differences
+
+
+def test_guard_matches_reference(reference: ScenarioRun, guarded: ScenarioRun) -> None:
+    """With the guard, C hits only A's written blocks, and every completion matches."""
+    assert "A" in guarded.preempted[2]
+    assert guarded.num_cached_tokens["C"] == 8 * LAYOUT.block_size
+    assert _differences(guarded, reference) == {}

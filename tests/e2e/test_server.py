@@ -1,0 +1,106 @@
+"""The guard inside a real OpenAI-compatible server, switched only by ``VLLM_PREFIX_GUARD``.
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` with its EngineCore in a separate
+process, as in production: nothing in this test process applies the guard for it. vLLM's plugin
+loader must find the ``prefix_guard`` entry point in every process and the guard must patch the
+EngineCore's scheduler from the environment alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from vllm_prefix_guard.demo import (
+    ApiServer,
+    MetricsSnapshot,
+    compare_completions,
+    http_get_text,
+    make_workload,
+    read_guard_rollbacks,
+    run_workload,
+)
+
+pytestmark = pytest.mark.e2e
+
+LaunchServer = Callable[..., ApiServer]
+#: Seconds an api_server may take to answer /health (about 25 s alone on two cores).
+SERVER_STARTUP_TIMEOUT_S = 300.0
+PATCH_LINE = "vllm-prefix-guard: patched"
+
+
+@dataclass(frozen=True)
+class Servers:
+    guarded: ApiServer
+    reference: ApiServer
+    stats_file: Path
+
+
+@pytest.fixture(scope="module")
+def servers(launch_server: LaunchServer, tmp_path_factory: pytest.TempPathFactory) -> Servers:
+    """A guarded server (prefix caching, small KV cache) and a reference server (no prefix
+    caching, guard unset), started side by side."""
+    stats_file = tmp_path_factory.mktemp("guard-stats") / "stats.json"
+    guarded = launch_server(
+        "guarded", guard="1", stats_file=stats_file, prefix_caching=True, num_gpu_blocks=24
+    )
+    reference = launch_server("reference", guard=None, prefix_caching=False, num_gpu_blocks=257)
+    guarded.wait_healthy(SERVER_STARTUP_TIMEOUT_S)
+    reference.wait_healthy(SERVER_STARTUP_TIMEOUT_S)
+    return Servers(guarded, reference, stats_file)
+
+
+def test_guard_patches_the_engine_core_process(servers: Servers) -> None:
+    """The EngineCore process logs one patch line per hooked target."""
+    engine_core_lines = [
+        line
+        for line in servers.guarded.log_text().splitlines()
+        if PATCH_LINE in line and "EngineCore" in line
+    ]
+    patched = " ".join(engine_core_lines)
+    for target in ("Scheduler.schedule", "Scheduler._preempt_request", "update_from_output"):
+        assert target in patched, engine_core_lines
+
+
+def test_guarded_server_matches_reference(servers: Servers) -> None:
+    """Concurrent, preempting, prefix-sharing traffic: every completion equals the reference;
+    at shutdown the guard reports its counters."""
+    items = [replace(item, cancel_after_s=None) for item in make_workload(32, seed=1)]
+    before = MetricsSnapshot.scrape(servers.guarded.url)
+    outcomes = run_workload(servers.guarded.url, items, concurrency=12, timeout_s=300)
+    metrics = MetricsSnapshot.scrape(servers.guarded.url) - before
+    replayed = run_workload(servers.reference.url, items, concurrency=12, timeout_s=300)
+
+    assert [o.status for o in outcomes + replayed] == ["completed"] * (2 * len(items)), [
+        o.error for o in outcomes + replayed if o.error
+    ]
+    mismatches = {}
+    for outcome, reference in zip(outcomes, replayed):
+        assert outcome.completion is not None and reference.completion is not None
+        problem = compare_completions(outcome.completion, reference.completion)
+        if problem is not None:
+            mismatches[outcome.item.request_id] = problem
+    assert mismatches == {}
+    # The workload did exercise what the guard is about.
+    assert metrics.preemptions > 0 and metrics.prefix_cache_hits > 0, metrics
+
+    servers.guarded.stop()
+    assert read_guard_rollbacks(servers.stats_file) is not None
+    assert read_guard_rollbacks(None, servers.guarded.log_text()) is not None
+
+
+def test_server_starts_normally_with_guard_unset(servers: Servers) -> None:
+    assert http_get_text(f"{servers.reference.url}/health", timeout_s=10) == ""
+    assert PATCH_LINE not in servers.reference.log_text()
+
+
+def test_server_refuses_to_start_with_bad_guard_value(launch_server: LaunchServer) -> None:
+    """A typo must not silently run unguarded: the server exits and names the variable."""
+    server = launch_server("bad-guard-value", guard="maybe", prefix_caching=True, num_gpu_blocks=24)
+    returncode = server.wait_exit(timeout_s=SERVER_STARTUP_TIMEOUT_S)
+    assert returncode != 0
+    log = server.log_text()
+    assert "VLLM_PREFIX_GUARD" in log and "maybe" in log, server.log_tail()
