@@ -195,3 +195,14 @@ def test_fresh_process_needs_only_the_environment() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "guarded" in result.stdout
     assert "vllm-prefix-guard: patched Scheduler.schedule" in result.stdout + result.stderr
+
+
+def test_scheduler_without_needed_manager_state_fails_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    plugin.apply()
+    monkeypatch.delattr(KVCacheManager, "get_block_ids")
+    with pytest.raises(GuardUnsupportedError, match=r"KVCacheManager\.get_block_ids missing"):
+        make_scheduler()

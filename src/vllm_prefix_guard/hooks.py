@@ -27,12 +27,14 @@ from typing import Any
 from vllm_prefix_guard import stats as guard_stats
 from vllm_prefix_guard.ledger import StepLedger
 from vllm_prefix_guard.patching import PatchRegistry
-from vllm_prefix_guard.pool import graft
+from vllm_prefix_guard.pool import GuardUnsupportedError, graft
 from vllm_prefix_guard.targets import (
     COORDINATOR_MODULE,
+    DISABLE_HINT,
     SCHEDULER_MODULE,
     SCHEDULER_TARGETS,
     resolve,
+    vllm_version,
 )
 
 LEDGER_ATTR = "_prefix_guard_ledger"
@@ -52,10 +54,34 @@ def attach_ledger(scheduler: Any) -> StepLedger | None:
     manager = scheduler.kv_cache_manager
     if not getattr(manager, "enable_caching", False):
         return None
+    check_manager(manager)
     ledger = StepLedger(graft(manager.block_pool))
     scheduler.__dict__[LEDGER_ATTR] = ledger
     guard_stats.track(ledger)
     return ledger
+
+
+def check_manager(manager: Any) -> None:
+    """Instance state the rare paths use (dependents, failed loads): checked at start-up.
+
+    Raises:
+        GuardUnsupportedError: naming what is missing.
+    """
+    missing = [] if hasattr(manager, "get_block_ids") else ["KVCacheManager.get_block_ids"]
+    coordinator = getattr(manager, "coordinator", None)
+    managers = getattr(coordinator, "single_type_managers", None)
+    if managers is None:
+        missing.append("KVCacheCoordinator.single_type_managers")
+    else:
+        for single in managers:
+            for name in ("req_to_blocks", "num_cached_block"):
+                if not hasattr(single, name):
+                    missing.append(f"{type(single).__name__}.{name}")
+    if missing:
+        raise GuardUnsupportedError(
+            f"vllm-prefix-guard does not support this vLLM ({vllm_version()}): "
+            f"{', '.join(sorted(set(missing)))} missing. {DISABLE_HINT}"
+        )
 
 
 # -- wrappers (each takes the original and returns the replacement) ------------------
