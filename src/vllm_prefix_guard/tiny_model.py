@@ -117,7 +117,14 @@ def _read_stamp(target: Path) -> object:
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``; a stale ``target`` is moved aside first, then deleted."""
+    """Move ``staging`` to ``target``; a stale ``target`` is moved aside first, then deleted.
+
+    Only an empty directory or an earlier tiny checkpoint (it has a stamp) counts as stale:
+    a mistyped path must not cost someone a directory.
+    """
+    if target.exists() and any(target.iterdir()) and not (target / _STAMP_FILE).exists():
+        shutil.rmtree(staging, ignore_errors=True)
+        raise FileExistsError(f"{target} exists and is not a tiny model; not overwriting it")
     if target.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
         target.rename(trash / target.name)

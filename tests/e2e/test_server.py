@@ -78,7 +78,7 @@ def test_guarded_server_matches_reference(servers: Servers) -> None:
         o.error for o in outcomes + replayed if o.error
     ]
     mismatches = {}
-    for outcome, reference in zip(outcomes, replayed):
+    for outcome, reference in zip(outcomes, replayed, strict=True):
         assert outcome.completion is not None and reference.completion is not None
         problem = compare_completions(outcome.completion, reference.completion)
         if problem is not None:

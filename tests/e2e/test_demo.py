@@ -1,0 +1,55 @@
+"""``python -m vllm_prefix_guard.demo``, end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                status = (cmdline.parent / "stat").read_text().rpartition(")")[2].split()[0]
+                if status != "Z":
+                    pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
+    """The demo reports every figure, finds no mismatch, and leaves no server process behind."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_prefix_guard.demo",
+            "--requests",
+            "24",
+            "--model-dir",
+            str(tiny_model),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = result.stdout
+    assert result.returncode == 0, report + result.stderr[-3000:]
+    assert re.search(r"requests\s+24 sent", report), report
+    assert re.search(r"prefix-cache hits\s+\d+\.\d%", report), report
+    assert re.search(r"preemptions\s+\d+", report), report
+    assert re.search(r"guard rollbacks\s+\d+", report), report  # a number, not "n/a"
+    assert re.search(r"mismatches\s+0 ", report), report
+    assert (tmp_path / "guard-stats.json").exists()
+    assert _processes_mentioning(str(tiny_model)) == []

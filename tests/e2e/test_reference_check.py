@@ -1,0 +1,133 @@
+"""The pieces of the end-to-end harness that need no engine: the reference comparison, the
+metrics and counter parsers, and the tiny model generator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_prefix_guard.demo import (
+    LOGPROB_ATOL,
+    Completion,
+    MetricsSnapshot,
+    compare_completions,
+    make_workload,
+    read_guard_rollbacks,
+)
+from vllm_prefix_guard.tiny_model import generate_tiny_model, weights_digest
+
+REFERENCE = Completion(
+    token_ids=(7, 3),
+    top_logprobs=(
+        {7: -0.5, 9: -1.5, 4: -2.0},
+        {3: -1.0, 8: -1.2, 5: -3.0},
+    ),
+)
+
+
+def _shifted(delta: float, position: int = 0, token: int = 7) -> Completion:
+    top = [dict(p) for p in REFERENCE.top_logprobs]
+    top[position][token] += delta
+    return Completion(REFERENCE.token_ids, tuple(top))
+
+
+def test_batch_shape_noise_passes() -> None:
+    assert compare_completions(_shifted(1.2e-5), REFERENCE) is None
+
+
+@pytest.mark.parametrize("delta", [1e-1, 0.82, float("nan")])
+def test_corruption_fails(delta: float) -> None:
+    assert compare_completions(_shifted(delta), REFERENCE) is not None
+
+
+def test_greedy_flip_between_tied_tokens_passes() -> None:
+    reference = Completion((3,), ({3: -1.0, 8: -1.0 - LOGPROB_ATOL / 2},))
+    flipped = Completion((8,), ({3: -1.0, 8: -1.0 - LOGPROB_ATOL / 2},))
+    assert compare_completions(flipped, reference) is None
+
+
+def test_different_token_fails() -> None:
+    other = Completion((7, 8), REFERENCE.top_logprobs)
+    assert compare_completions(other, REFERENCE) == "position 1: token 8 != reference 3"
+
+
+def test_top_k_boundary_swap_passes_only_for_a_tie() -> None:
+    tie = Completion((7,), ({7: -0.5, 9: -1.5, 6: -2.0 + 1e-6},))
+    assert compare_completions(tie, Completion((7,), (REFERENCE.top_logprobs[0],))) is None
+    intruder = Completion((7,), ({7: -0.5, 9: -1.5, 6: -1.9},))
+    assert compare_completions(intruder, Completion((7,), (REFERENCE.top_logprobs[0],)))
+
+
+def test_openai_choice_parsing() -> None:
+    choice = {
+        "token_ids": [7],
+        "logprobs": {"top_logprobs": [{"token_id:7": -0.5, "token_id:9": -1.5}]},
+    }
+    assert Completion.from_openai_choice(choice) == Completion((7,), ({7: -0.5, 9: -1.5},))
+
+
+def test_metrics_parsing_sums_label_sets() -> None:
+    text = "\n".join(
+        [
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits",
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0',
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 2.0',
+            'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09',
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 64.0',
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 5.0',
+        ]
+    )
+    assert MetricsSnapshot.parse(text) == MetricsSnapshot(64.0, 32.0, 5.0)
+
+
+def test_guard_rollbacks_from_stats_file_or_log(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"rolled_back": 3, "rolled_back_preempted": 3}))
+    assert read_guard_rollbacks(stats) == 3
+    line = (
+        "(EngineCore pid=1) INFO [hooks.py:290] vllm-prefix-guard counters: "
+        "rolled_back_preempted=2 rolled_back_kv_load_failure=0 rolled_back=2"
+    )
+    assert read_guard_rollbacks(tmp_path / "missing.json", line) == 2
+    assert read_guard_rollbacks(None, "no counters here") is None
+
+
+def test_workload_is_deterministic_and_mixed() -> None:
+    items = make_workload(40, seed=3)
+    assert items == make_workload(40, seed=3)
+    assert len(items) == 40
+    assert {item.priority for item in items} == {0, 2}  # interactive and background
+    assert any(item.cancel_after_s is not None for item in items)
+    assert len({item.prompt for item in items}) < len(items)  # some prompts repeat
+    assert all(max(item.prompt) < 510 for item in items)  # no special tokens
+
+
+def test_tiny_model_is_deterministic_and_cached(tmp_path: Path) -> None:
+    first = generate_tiny_model(tmp_path / "a", seed=0)
+    second = generate_tiny_model(tmp_path / "b", seed=0)
+    assert weights_digest(first) == weights_digest(second)
+    assert weights_digest(generate_tiny_model(tmp_path / "c", seed=1)) != weights_digest(first)
+    mtime = (first / "model.safetensors").stat().st_mtime_ns
+    generate_tiny_model(first, seed=0)
+    assert (first / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_tiny_model_never_overwrites_other_directories(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        generate_tiny_model(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_tiny_tokenizer_round_trips(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    model = generate_tiny_model(tmp_path / "m")
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    config = json.loads((model / "config.json").read_text())
+    assert tokenizer.get_vocab_size() == config["vocab_size"]
+    text = "the quick brown fox, naïvely"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
