@@ -9,7 +9,7 @@
                                     pause recording: its registrations are confirmed
     Scheduler.update_from_output    roll back failed KV loads, run, then commit the step
     Scheduler.reset_prefix_cache    drop every bucket once the pool was reset
-    Scheduler.shutdown              one summary line with the counters
+    Scheduler.shutdown              one summary line with the counters (+ JSON file)
 
 Data flows one way: hook -> ledger -> pool. Hooks on a scheduler without a ledger
 (prefix caching off, or built before the guard was applied) call straight through.
@@ -18,7 +18,6 @@ Data flows one way: hook -> ledger -> pool. Hooks on a scheduler without a ledge
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from vllm_prefix_guard.targets import (
 )
 
 LEDGER_ATTR = "_prefix_guard_ledger"
+STATS_FILE_ATTR = "_prefix_guard_stats_file"
 STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
 
 AnyFn = Callable[..., Any]
@@ -58,6 +58,9 @@ def attach_ledger(scheduler: Any) -> StepLedger | None:
     ledger = StepLedger(graft(manager.block_pool))
     scheduler.__dict__[LEDGER_ATTR] = ledger
     guard_stats.track(ledger)
+    path = os.environ.get(STATS_FILE_ENV)
+    if path:
+        scheduler.__dict__[STATS_FILE_ATTR] = guard_stats.StatsFile(path)
     return ledger
 
 
@@ -149,6 +152,9 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
                 rewind_cached_block_counts(self, undone)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         ledger.commit_step(scheduler_output)
+        stats_file = self.__dict__.get(STATS_FILE_ATTR)
+        if stats_file is not None:
+            stats_file.maybe_write(ledger.stats)
         return result
 
     return update_from_output
@@ -169,7 +175,7 @@ def wrap_shutdown(original: AnyFn) -> AnyFn:
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
         ledger = self.__dict__.get(LEDGER_ATTR)
         if ledger is not None:
-            report_counters(ledger)
+            report_counters(ledger, self.__dict__.get(STATS_FILE_ATTR))
         return original(self, *args, **kwargs)
 
     return shutdown
@@ -310,16 +316,14 @@ def rewind_cached_block_counts(scheduler: Any, undone: dict[str, set[int]]) -> N
                 manager.num_cached_block[request_id] = first
 
 
-def report_counters(ledger: StepLedger) -> None:
-    """One INFO line with the counters; also JSON to ``$VLLM_PREFIX_GUARD_STATS_FILE``."""
+def report_counters(ledger: StepLedger, stats_file: guard_stats.StatsFile | None) -> None:
+    """One INFO line with the counters, and a last write of the stats file if any."""
     counters = ledger.stats.as_dict()
     _logger().info(
         "vllm-prefix-guard counters: %s", " ".join(f"{k}={v}" for k, v in counters.items())
     )
-    path = os.environ.get(STATS_FILE_ENV)
-    if path:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(counters, fh)
+    if stats_file is not None:
+        stats_file.write(ledger.stats)
 
 
 def _logger() -> Any:

@@ -2,12 +2,16 @@
 
 Each scheduler's ledger owns one :class:`GuardStats`; :func:`snapshot` sums the live
 ones in this process. Nothing here logs per step: the EngineCore prints one summary
-line at shutdown (see ``hooks``), and can write it as JSON for tooling.
+line at shutdown (see ``hooks``), and :class:`StatsFile` keeps a JSON copy fresh for
+tooling (vLLM's default ``--shutdown-timeout 0`` can kill EngineCore before shutdown).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -70,3 +74,24 @@ def snapshot() -> GuardStats:
     for owner in list(_live):
         total.add(owner.stats)  # type: ignore[attr-defined]
     return total
+
+
+class StatsFile:
+    """Keeps ``path`` holding the latest counters as JSON, rewritten at most every
+    ``interval_s`` seconds (one clock read per step in between), atomically."""
+
+    def __init__(self, path: str, interval_s: float = 2.0) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._next_write = 0.0
+
+    def maybe_write(self, stats: GuardStats) -> None:
+        if time.monotonic() >= self._next_write:
+            self.write(stats)
+
+    def write(self, stats: GuardStats) -> None:
+        self._next_write = time.monotonic() + self.interval_s
+        partial = f"{self.path}.{os.getpid()}.tmp"
+        with open(partial, "w", encoding="utf-8") as fh:
+            json.dump(stats.as_dict(), fh)
+        os.replace(partial, self.path)
