@@ -9,21 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_prefix_guard.e2e.processes import live_pids
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text.encode() in cmdline.read_bytes():
-                status = (cmdline.parent / "stat").read_text().rpartition(")")[2].split()[0]
-                if status != "Z":
-                    pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
 
 
 def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
@@ -52,4 +40,4 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
     assert re.search(r"guard rollbacks\s+\d+", report), report  # a number, not "n/a"
     assert re.search(r"mismatches\s+0 ", report), report
     assert (tmp_path / "guard-stats.json").exists()
-    assert _processes_mentioning(str(tiny_model)) == []
+    assert live_pids(cmdline_contains=str(tiny_model)) == []

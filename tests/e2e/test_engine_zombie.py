@@ -35,14 +35,21 @@ import gc
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.demo import LOGPROB_ATOL, TOP_LOGPROBS, Completion, compare_completions
+from vllm_prefix_guard.e2e.compare import (
+    LOGPROB_ATOL,
+    TOP_LOGPROBS,
+    Completion,
+    find_mismatches,
+)
+from vllm_prefix_guard.e2e.workload import PROMPT_VOCAB
+from vllm_prefix_guard.testing.factory import SchedulerSpec
 
 pytestmark = pytest.mark.e2e
 
@@ -51,48 +58,49 @@ EXTRA_ENGINE_ARGS: dict[str, Any] = json.loads(
 )
 ATOL = float(os.environ.get("VLLM_PREFIX_GUARD_E2E_LOGPROB_ATOL") or LOGPROB_ATOL)
 
-
-@dataclass(frozen=True)
-class ZombieLayout:
-    """The scheduler-level layout (block size 16) scaled by ``scale`` (2 for block size 32)."""
-
-    scale: int = 2
-    num_gpu_blocks: int = 20
-    max_model_len: int = 512
-    output_tokens: int = 8
-
-    @property
-    def block_size(self) -> int:
-        return 16 * self.scale
-
-    def tokens(self, n16: int, offset: int) -> list[int]:
-        """``n16`` tokens at block size 16, scaled; distinct per ``offset``, below the tiny
-        model's special ids."""
-        return [(offset * 7 + i * 13) % 500 for i in range(n16 * self.scale)]
-
-    def engine_args(self, model: Path, *, prefix_caching: bool) -> Any:
-        from vllm.engine.arg_utils import EngineArgs
-
-        kwargs: dict[str, Any] = {
-            "model": str(model),
-            "dtype": "float32",
-            "seed": 0,
-            "enforce_eager": True,
-            "block_size": self.block_size,
-            "num_gpu_blocks_override": self.num_gpu_blocks,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": 16,
-            "enable_prefix_caching": prefix_caching,
-            "scheduling_policy": "priority",
-            "long_prefill_token_threshold": 64 * self.scale,
-            "max_num_batched_tokens": 256 * self.scale,
-            "scheduler_reserve_full_isl": False,
-            "async_scheduling": False,
-        }
-        return EngineArgs(**{**kwargs, **EXTRA_ENGINE_ARGS})
+#: The scheduler-level layout (block size 16) scaled to the tiny model's block size 32.
+SCALE = 2
+LAYOUT = SchedulerSpec(
+    block_size=16 * SCALE,
+    num_blocks=20,
+    max_model_len=512,
+    policy="priority",
+    long_prefill_token_threshold=64 * SCALE,
+    max_num_batched_tokens=256 * SCALE,
+    reserve_full_isl=False,
+)
+OUTPUT_TOKENS = 8
 
 
-LAYOUT = ZombieLayout()
+def tokens(n16: int, offset: int) -> list[int]:
+    """``n16`` tokens at block size 16, scaled; distinct per ``offset``, below the tiny model's
+    special ids."""
+    return [(offset * 7 + i * 13) % PROMPT_VOCAB for i in range(n16 * SCALE)]
+
+
+def engine_args(model: Path, spec: SchedulerSpec) -> Any:
+    """``EngineArgs`` for the tiny model with ``spec``'s scheduler and KV cache, and the
+    platform's extra arguments on top. ``num_blocks`` counts the null block, as
+    ``num_gpu_blocks_override`` does."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "float32",
+        "seed": 0,
+        "enforce_eager": True,
+        "block_size": spec.block_size,
+        "num_gpu_blocks_override": spec.num_blocks,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": spec.max_num_seqs,
+        "enable_prefix_caching": spec.enable_prefix_caching,
+        "scheduling_policy": spec.policy,
+        "long_prefill_token_threshold": spec.long_prefill_token_threshold,
+        "max_num_batched_tokens": spec.max_num_batched_tokens,
+        "scheduler_reserve_full_isl": spec.reserve_full_isl,
+        "async_scheduling": spec.async_scheduling,
+    }
+    return EngineArgs(**{**kwargs, **EXTRA_ENGINE_ARGS})
 
 
 @dataclass
@@ -130,14 +138,14 @@ def run_scenario(model: Path, *, prefix_caching: bool) -> ScenarioRun:
                     )
                     run.num_cached_tokens[output.request_id] = output.num_cached_tokens or 0
 
-        a_prompt = LAYOUT.tokens(160, offset=1)
-        add("D", LAYOUT.tokens(16, offset=3), priority=0, max_tokens=3)
-        add("A", a_prompt, priority=1, max_tokens=LAYOUT.output_tokens)
+        a_prompt = tokens(160, offset=1)
+        add("D", tokens(16, offset=3), priority=0, max_tokens=3)
+        add("A", a_prompt, priority=1, max_tokens=OUTPUT_TOKENS)
         step()
-        add("B", LAYOUT.tokens(120, offset=2), priority=0, max_tokens=LAYOUT.output_tokens)
+        add("B", tokens(120, offset=2), priority=0, max_tokens=OUTPUT_TOKENS)
         step()
         step()
-        add("C", a_prompt, priority=0, max_tokens=LAYOUT.output_tokens)
+        add("C", a_prompt, priority=0, max_tokens=OUTPUT_TOKENS)
         while engine.has_unfinished_requests():
             step()
     return run
@@ -148,7 +156,8 @@ def _engine(model: Path, *, prefix_caching: bool) -> Iterator[Any]:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(LAYOUT.engine_args(model, prefix_caching=prefix_caching))
+    spec = replace(LAYOUT, enable_prefix_caching=prefix_caching)
+    engine = LLMEngine.from_engine_args(engine_args(model, spec))
     try:
         yield engine
     finally:
@@ -181,12 +190,7 @@ def _external_id(internal_id: str) -> str:
 
 def _differences(run: ScenarioRun, reference: ScenarioRun) -> dict[str, str]:
     assert run.completions.keys() == reference.completions.keys() == {"A", "B", "C", "D"}
-    differences = {}
-    for name, completion in run.completions.items():
-        problem = compare_completions(completion, reference.completions[name], ATOL)
-        if problem is not None:
-            differences[name] = problem
-    return differences
+    return find_mismatches(run.completions, reference.completions, ATOL)
 
 
 # -- fixtures: one engine run each, shared by the tests of this module ------------------------

@@ -1,21 +1,26 @@
 """The pieces of the end-to-end harness that need no engine: the reference comparison, the
-metrics and counter parsers, and the tiny model generator."""
+metrics and counter parsers, process bookkeeping, and the tiny model generator."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from vllm_prefix_guard.demo import (
+from vllm_prefix_guard.e2e.compare import (
     LOGPROB_ATOL,
     Completion,
-    MetricsSnapshot,
     compare_completions,
-    make_workload,
-    read_guard_rollbacks,
+    find_mismatches,
 )
+from vllm_prefix_guard.e2e.metrics import MetricsSnapshot, read_guard_rollbacks
+from vllm_prefix_guard.e2e.processes import live_pids
+from vllm_prefix_guard.e2e.server import GUARD_STATS_FILE_ENV, ApiServer
+from vllm_prefix_guard.e2e.workload import make_workload
 from vllm_prefix_guard.tiny_model import generate_tiny_model, weights_digest
 
 REFERENCE = Completion(
@@ -68,6 +73,12 @@ def test_openai_choice_parsing() -> None:
     assert Completion.from_openai_choice(choice) == Completion((7,), ({7: -0.5, 9: -1.5},))
 
 
+def test_mismatches_by_name_skip_one_sided_names() -> None:
+    actual = {"b": _shifted(0.5), "a": REFERENCE, "failed-on-reference": _shifted(0.5)}
+    reference = {"a": REFERENCE, "b": REFERENCE, "failed-on-guarded": REFERENCE}
+    assert list(find_mismatches(actual, reference)) == ["b"]
+
+
 def test_metrics_parsing_sums_label_sets() -> None:
     text = "\n".join(
         [
@@ -92,6 +103,33 @@ def test_guard_rollbacks_from_stats_file_or_log(tmp_path: Path) -> None:
     )
     assert read_guard_rollbacks(tmp_path / "missing.json", line) == 2
     assert read_guard_rollbacks(None, "no counters here") is None
+
+
+def test_server_start_removes_a_stale_stats_file(tmp_path: Path) -> None:
+    """The guard rewrites its stats file while it runs: one from an earlier server must not
+    pass for this server's counters."""
+    stats = tmp_path / "guard-stats.json"
+    stats.write_text(json.dumps({"rolled_back": 7}))
+    args = [sys.executable, "-c", "pass"]
+    server = ApiServer(args, {GUARD_STATS_FILE_ENV: str(stats)}, tmp_path / "server.log", port=0)
+    with server:
+        assert server.wait_exit(timeout_s=30) == 0
+    assert read_guard_rollbacks(stats) is None
+
+
+def test_live_pids_filter_by_command_line_and_group(tmp_path: Path) -> None:
+    marker = f"live-pids-marker-{tmp_path.name}"
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", marker], start_new_session=True
+    )
+    try:
+        assert live_pids(cmdline_contains=marker) == [sleeper.pid]
+        assert live_pids(process_group=sleeper.pid) == [sleeper.pid]
+        assert os.getpid() not in live_pids(process_group=sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert live_pids(cmdline_contains=marker) == []
 
 
 def test_workload_is_deterministic_and_mixed() -> None:

@@ -14,21 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from vllm_prefix_guard.demo import (
+from vllm_prefix_guard.e2e.metrics import read_guard_rollbacks
+from vllm_prefix_guard.e2e.reference_check import check_against_reference
+from vllm_prefix_guard.e2e.server import (
+    GUARDED_NUM_GPU_BLOCKS,
+    REFERENCE_NUM_GPU_BLOCKS,
+    STARTUP_TIMEOUT_S,
     ApiServer,
-    MetricsSnapshot,
-    compare_completions,
     http_get_text,
-    make_workload,
-    read_guard_rollbacks,
-    run_workload,
 )
+from vllm_prefix_guard.e2e.workload import make_workload
 
 pytestmark = pytest.mark.e2e
 
 LaunchServer = Callable[..., ApiServer]
-#: Seconds an api_server may take to answer /health (about 25 s alone on two cores).
-SERVER_STARTUP_TIMEOUT_S = 300.0
 PATCH_LINE = "vllm-prefix-guard: patched"
 
 
@@ -45,11 +44,17 @@ def servers(launch_server: LaunchServer, tmp_path_factory: pytest.TempPathFactor
     caching, guard unset), started side by side."""
     stats_file = tmp_path_factory.mktemp("guard-stats") / "stats.json"
     guarded = launch_server(
-        "guarded", guard="1", stats_file=stats_file, prefix_caching=True, num_gpu_blocks=24
+        "guarded",
+        guard="1",
+        stats_file=stats_file,
+        prefix_caching=True,
+        num_gpu_blocks=GUARDED_NUM_GPU_BLOCKS,
     )
-    reference = launch_server("reference", guard=None, prefix_caching=False, num_gpu_blocks=257)
-    guarded.wait_healthy(SERVER_STARTUP_TIMEOUT_S)
-    reference.wait_healthy(SERVER_STARTUP_TIMEOUT_S)
+    reference = launch_server(
+        "reference", guard=None, prefix_caching=False, num_gpu_blocks=REFERENCE_NUM_GPU_BLOCKS
+    )
+    guarded.wait_healthy(STARTUP_TIMEOUT_S)
+    reference.wait_healthy(STARTUP_TIMEOUT_S)
     return Servers(guarded, reference, stats_file)
 
 
@@ -67,29 +72,23 @@ def test_guard_patches_the_engine_core_process(servers: Servers) -> None:
 
 def test_guarded_server_matches_reference(servers: Servers) -> None:
     """Concurrent, preempting, prefix-sharing traffic: every completion equals the reference;
-    at shutdown the guard reports its counters."""
+    at shutdown the guard reports its counters, in its log and in its stats file."""
     items = [replace(item, cancel_after_s=None) for item in make_workload(32, seed=1)]
-    before = MetricsSnapshot.scrape(servers.guarded.url)
-    outcomes = run_workload(servers.guarded.url, items, concurrency=12, timeout_s=300)
-    metrics = MetricsSnapshot.scrape(servers.guarded.url) - before
-    replayed = run_workload(servers.reference.url, items, concurrency=12, timeout_s=300)
+    check = check_against_reference(
+        servers.guarded.url, servers.reference.url, items, concurrency=12, timeout_s=300
+    )
 
-    assert [o.status for o in outcomes + replayed] == ["completed"] * (2 * len(items)), [
-        o.error for o in outcomes + replayed if o.error
-    ]
-    mismatches = {}
-    for outcome, reference in zip(outcomes, replayed, strict=True):
-        assert outcome.completion is not None and reference.completion is not None
-        problem = compare_completions(outcome.completion, reference.completion)
-        if problem is not None:
-            mismatches[outcome.item.request_id] = problem
-    assert mismatches == {}
+    statuses = [o.status for o in check.outcomes + check.replayed]
+    assert statuses == ["completed"] * (2 * len(items)), [o.error for o in check.failures]
+    assert check.mismatches == {}
     # The workload did exercise what the guard is about.
-    assert metrics.preemptions > 0 and metrics.prefix_cache_hits > 0, metrics
+    assert check.metrics.preemptions > 0 and check.metrics.prefix_cache_hits > 0, check.metrics
 
     servers.guarded.stop()
-    assert read_guard_rollbacks(servers.stats_file) is not None
-    assert read_guard_rollbacks(None, servers.guarded.log_text()) is not None
+    logged = read_guard_rollbacks(None, servers.guarded.log_text())
+    assert logged is not None
+    # The file is also rewritten while the server runs; after shutdown it holds the final count.
+    assert read_guard_rollbacks(servers.stats_file) == logged
 
 
 def test_server_starts_normally_with_guard_unset(servers: Servers) -> None:
@@ -99,8 +98,13 @@ def test_server_starts_normally_with_guard_unset(servers: Servers) -> None:
 
 def test_server_refuses_to_start_with_bad_guard_value(launch_server: LaunchServer) -> None:
     """A typo must not silently run unguarded: the server exits and names the variable."""
-    server = launch_server("bad-guard-value", guard="maybe", prefix_caching=True, num_gpu_blocks=24)
-    returncode = server.wait_exit(timeout_s=SERVER_STARTUP_TIMEOUT_S)
+    server = launch_server(
+        "bad-guard-value",
+        guard="maybe",
+        prefix_caching=True,
+        num_gpu_blocks=GUARDED_NUM_GPU_BLOCKS,
+    )
+    returncode = server.wait_exit(timeout_s=STARTUP_TIMEOUT_S)
     assert returncode != 0
     log = server.log_text()
     assert "VLLM_PREFIX_GUARD" in log and "maybe" in log, server.log_tail()
