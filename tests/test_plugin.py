@@ -20,7 +20,7 @@ from vllm_prefix_guard.pool import GuardUnsupportedError
 from vllm_prefix_guard.testing.factory import make_scheduler
 
 STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
-PATCHED = {t.qualname for t in targets.SCHEDULER_TARGETS} | {"KVCacheCoordinator.block_pool"}
+PATCHED = {t.qualname for t in targets.SCHEDULER_TARGETS} | {"KVCacheCoordinator.__setattr__"}
 
 
 @pytest.fixture
@@ -162,7 +162,8 @@ def test_undo_restores_stock_vllm() -> None:
     assert Scheduler.__dict__["schedule"] is not STOCK_SCHEDULE
     plugin.undo()
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
-    assert "block_pool" not in vars(KVCacheCoordinator)
+    assert "__setattr__" not in vars(KVCacheCoordinator)
+    assert "_prefix_guard_ledger" not in vars(Scheduler)
     assert ledger_of(make_scheduler()) is None
 
 

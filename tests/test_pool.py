@@ -148,6 +148,8 @@ def test_graft_is_idempotent_and_preserves_identity(guard: None) -> None:
     assert type(pool).__mro__[1] is PrefixGuardPool
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     assert all(m.block_pool is pool for m in managers)
+    # vLLM's own pool was moved into the guarded class when assigned: its blocks follow.
+    assert all(block.pool is pool for block in pool.blocks)
 
 
 def test_graft_refuses_a_pool_without_the_needed_internals() -> None:

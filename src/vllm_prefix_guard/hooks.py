@@ -1,7 +1,7 @@
 """Scheduler hooks: drive each scheduler's :class:`StepLedger` through a step's life.
 
     Scheduler.__init__              attach a ledger to the (grafted) pool
-    KVCacheCoordinator.block_pool   graft the mixin onto whatever pool gets assigned
+    KVCacheCoordinator.__setattr__  graft the mixin onto whatever pool gets assigned
     Scheduler.schedule              begin the step; after it returns, resolve contested
                                     blocks, then dispatch the bucket with its output
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
@@ -45,7 +45,7 @@ AnyFn = Callable[..., Any]
 
 def ledger_of(scheduler: Any) -> StepLedger | None:
     """The ledger the guard attached to ``scheduler``, if any."""
-    ledger: StepLedger | None = scheduler.__dict__.get(LEDGER_ATTR)
+    ledger: StepLedger | None = getattr(scheduler, LEDGER_ATTR, None)
     return ledger
 
 
@@ -55,12 +55,13 @@ def attach_ledger(scheduler: Any) -> StepLedger | None:
     if not getattr(manager, "enable_caching", False):
         return None
     check_manager(manager)
-    ledger = StepLedger(graft(manager.block_pool))
-    scheduler.__dict__[LEDGER_ATTR] = ledger
+    pool = graft(manager.block_pool)  # in place: already shared by the managers
+    ledger = StepLedger(pool)
+    scheduler._prefix_guard_ledger = ledger
     guard_stats.track(ledger)
     path = os.environ.get(STATS_FILE_ENV)
     if path:
-        scheduler.__dict__[STATS_FILE_ATTR] = guard_stats.StatsFile(path)
+        scheduler._prefix_guard_stats_file = guard_stats.StatsFile(path)
     return ledger
 
 
@@ -100,7 +101,7 @@ def wrap_init(original: AnyFn) -> AnyFn:
 
 def wrap_schedule(original: AnyFn) -> AnyFn:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = self.__dict__.get(LEDGER_ATTR)
+        ledger = self._prefix_guard_ledger
         if ledger is None:
             return original(self, *args, **kwargs)
         ledger.begin_step()
@@ -119,7 +120,7 @@ def wrap_schedule(original: AnyFn) -> AnyFn:
 
 def wrap_preempt_request(original: AnyFn) -> AnyFn:
     def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = self.__dict__.get(LEDGER_ATTR)
+        ledger = self._prefix_guard_ledger
         if ledger is not None and ledger.open is not None:
             ledger.rollback_preempted(request.request_id)
         return original(self, request, *args, **kwargs)
@@ -129,7 +130,7 @@ def wrap_preempt_request(original: AnyFn) -> AnyFn:
 
 def wrap_update_waiting_for_remote_kv(original: AnyFn) -> AnyFn:
     def _update_waiting_for_remote_kv(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = self.__dict__.get(LEDGER_ATTR)
+        ledger = self._prefix_guard_ledger
         if ledger is None:
             return original(self, *args, **kwargs)
         with ledger.paused():
@@ -142,7 +143,7 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
     def update_from_output(
         self: Any, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        ledger = self.__dict__.get(LEDGER_ATTR)
+        ledger = self._prefix_guard_ledger
         if ledger is None:
             return original(self, scheduler_output, model_runner_output, *args, **kwargs)
         kv_output = model_runner_output.kv_connector_output
@@ -152,7 +153,7 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
                 rewind_cached_block_counts(self, undone)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         ledger.commit_step(scheduler_output)
-        stats_file = self.__dict__.get(STATS_FILE_ATTR)
+        stats_file = self._prefix_guard_stats_file
         if stats_file is not None:
             stats_file.maybe_write(ledger.stats)
         return result
@@ -163,7 +164,7 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
 def wrap_reset_prefix_cache(original: AnyFn) -> AnyFn:
     def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        ledger = self.__dict__.get(LEDGER_ATTR)
+        ledger = self._prefix_guard_ledger
         if ledger is not None and ledger.pool.guard_epoch != ledger._epoch:
             ledger.clear()
         return result
@@ -173,34 +174,32 @@ def wrap_reset_prefix_cache(original: AnyFn) -> AnyFn:
 
 def wrap_shutdown(original: AnyFn) -> AnyFn:
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = self.__dict__.get(LEDGER_ATTR)
+        ledger = self._prefix_guard_ledger
         if ledger is not None:
-            report_counters(ledger, self.__dict__.get(STATS_FILE_ATTR))
+            report_counters(ledger, self._prefix_guard_stats_file)
         return original(self, *args, **kwargs)
 
     return shutdown
 
 
-def block_pool_property() -> property:
-    """``KVCacheCoordinator.block_pool`` as a data descriptor that grafts on assignment.
+def wrap_coordinator_setattr(original: AnyFn | None) -> AnyFn:
+    """``KVCacheCoordinator.__setattr__`` that grafts any pool assigned to ``block_pool``.
 
     Hooking the assignment (not the constructor, not the ``BlockPool`` name) catches
     vLLM's own pool and any later replacement (kvcached swaps in its pool after vLLM's
-    ``__init__``), whichever wrapper runs last.
+    ``__init__``), whichever wrapper runs last. Reads stay plain attribute loads: a data
+    descriptor would put a Python call on every ``self.block_pool`` in vLLM's hot path,
+    and storing through ``__dict__`` would de-optimise every attribute of the object.
     """
+    store = original or object.__setattr__
 
-    def get(coordinator: Any) -> Any:
-        try:
-            return coordinator.__dict__["block_pool"]
-        except KeyError:
-            raise AttributeError("block_pool") from None
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if name == "block_pool" and getattr(value, "enable_caching", False):
+            # The first assignment is vLLM's constructor handing over the pool it built.
+            value = graft(value, fresh=not hasattr(self, "block_pool"))
+        store(self, name, value)
 
-    def set_(coordinator: Any, pool: Any) -> None:
-        if getattr(pool, "enable_caching", False):
-            graft(pool)
-        coordinator.__dict__["block_pool"] = pool
-
-    return property(get, set_, doc="The coordinator's pool, grafted with PrefixGuardPool.")
+    return __setattr__
 
 
 _WRAPPERS: dict[str, Callable[[AnyFn], AnyFn]] = {
@@ -221,9 +220,12 @@ def install(registry: PatchRegistry) -> list[str]:
     for target in SCHEDULER_TARGETS:
         registry.apply(scheduler_cls, target.name, _WRAPPERS[target.name])
         patched.append(target.qualname)
+    # Class-level defaults, so the hooks read plain attributes on any scheduler.
+    registry.apply(scheduler_cls, LEDGER_ATTR, lambda _: None)
+    registry.apply(scheduler_cls, STATS_FILE_ATTR, lambda _: None)
     coordinator_cls = resolve(COORDINATOR_MODULE, "KVCacheCoordinator")
-    registry.apply(coordinator_cls, "block_pool", lambda _: block_pool_property())
-    patched.append("KVCacheCoordinator.block_pool")
+    registry.apply(coordinator_cls, "__setattr__", wrap_coordinator_setattr)
+    patched.append("KVCacheCoordinator.__setattr__")
     return patched
 
 

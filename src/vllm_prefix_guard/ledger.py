@@ -29,8 +29,8 @@ from typing import Any
 from vllm_prefix_guard.pool import PrefixGuardPool
 from vllm_prefix_guard.stats import GuardStats
 
-# (key, block, generation) as recorded by the pool.
-Entry = tuple[Any, Any, int]
+# (key, block) as recorded by the pool.
+Entry = tuple[Any, Any]
 
 
 class StepBucket:
@@ -46,12 +46,12 @@ class StepBucket:
         self.by_request: dict[str | None, list[Entry]] = {}
         self.size = 0
 
-    def record(self, request_id: str | None, key: Any, block: Any, generation: int) -> None:
+    def record(self, request_id: str | None, key: Any, block: Any) -> None:
         entries = self.by_request.get(request_id)
         if entries is None:
-            self.by_request[request_id] = [(key, block, generation)]
+            self.by_request[request_id] = [(key, block)]
         else:
-            entries.append((key, block, generation))
+            entries.append((key, block))
         self.size += 1
 
     def pop_request(self, request_id: str) -> list[Entry]:
@@ -169,8 +169,8 @@ class StepLedger:
         if not entries:
             return
         self.stats.rolled_back_preempted += self._undo(entries)
-        for _, block, _ in entries:
-            if block.ref_cnt > 1 and block.block_hash is None:
+        for _, block in entries:
+            if block.ref_cnt > 1:
                 self.contested_blocks.add(block.block_id)
 
     def rollback_failed_loads(
@@ -203,7 +203,7 @@ class StepLedger:
             if request_id is None:
                 continue
             first = next(
-                (i for i, (_, block, _) in enumerate(entries) if block.block_id in invalid),
+                (i for i, (_, block) in enumerate(entries) if block.block_id in invalid),
                 None,
             )
             if first is None:
@@ -213,21 +213,21 @@ class StepLedger:
             bucket.size -= len(failed)
             self.stats.uncommitted_entries -= len(failed)
             self.stats.rolled_back_kv_load_failure += self._undo(failed)
-            affected[request_id] = {block.block_id for _, block, _ in failed}
+            affected[request_id] = {block.block_id for _, block in failed}
 
     def _undo_request(self, bucket: StepBucket, request_id: str, undone: set[int]) -> None:
         entries = bucket.pop_request(request_id)
         if entries:
             self.stats.uncommitted_entries -= len(entries)
             self.stats.rolled_back_kv_load_failure += self._undo(entries)
-            undone.update(block.block_id for _, block, _ in entries)
+            undone.update(block.block_id for _, block in entries)
 
     def _undo(self, entries: list[Entry]) -> int:
         """Unregister ``entries`` newest first; return how many were still live."""
         unregister = self.pool.guard_unregister
         live = 0
-        for key, block, generation in reversed(entries):
-            if unregister(key, block, generation):
+        for key, block in reversed(entries):
+            if unregister(key, block):
                 live += 1
             else:
                 self.stats.stale_entries_skipped += 1

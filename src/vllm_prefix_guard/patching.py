@@ -71,7 +71,9 @@ class PatchRegistry:
         replacement = make(None if stored is _MISSING else stored)
         try:
             setattr(replacement, PATCH_MARKER, True)
-        except (AttributeError, TypeError):  # e.g. a property: marker lives on its fget
+        except (AttributeError, TypeError):
+            # A property carries the marker on its getter; a plain value (a class-level
+            # default such as None) carries none: the registry entry guards it.
             fget = getattr(replacement, "fget", None)
             if fget is not None:
                 setattr(fget, PATCH_MARKER, True)

@@ -25,6 +25,7 @@ LOGGER_NAME = "vllm.prefix_guard"  # under "vllm" so vLLM's handlers print it
 
 _lock = threading.RLock()
 _registry: PatchRegistry | None = None
+_patched: list[str] = []
 _skipped_for_upstream: str | None = None
 
 
@@ -74,12 +75,12 @@ def apply() -> list[str]:
     Raises:
         GuardUnsupportedError: a target is missing or changed; nothing was patched.
     """
-    global _registry, _skipped_for_upstream
+    global _registry, _patched, _skipped_for_upstream
     from vllm_prefix_guard import hooks, targets
 
     with _lock:
         if _registry is not None:
-            return [p.target for p in _registry.applied]
+            return list(_patched)
         if _skipped_for_upstream is not None:
             return []
         version = targets.vllm_version()
@@ -99,7 +100,7 @@ def apply() -> list[str]:
         except BaseException:
             registry.undo_all()
             raise
-        _registry = registry
+        _registry, _patched = registry, patched
         log = logger()
         for name in patched:
             log.info("vllm-prefix-guard: patched %s (vLLM %s)", name, version)
@@ -108,11 +109,11 @@ def apply() -> list[str]:
 
 def undo() -> None:
     """Restore stock vLLM in this process (pools already grafted stay inert)."""
-    global _registry, _skipped_for_upstream
+    global _registry, _patched, _skipped_for_upstream
     with _lock:
         if _registry is not None:
             _registry.undo_all()
-        _registry = None
+        _registry, _patched = None, []
         _skipped_for_upstream = None
 
 
@@ -123,4 +124,4 @@ def is_applied() -> bool:
 
 def applied_targets() -> list[str]:
     """Names of the targets patched in this process."""
-    return [] if _registry is None else [p.target for p in _registry.applied]
+    return list(_patched)

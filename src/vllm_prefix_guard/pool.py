@@ -10,7 +10,8 @@ multi-block index as the single source of truth and adds two things on top:
   the request whose ``cache_full_blocks``/``cache_partial_block`` call made it;
 - *exact undo*: :meth:`PrefixGuardPool.guard_unregister` removes one recorded pair,
   never a sibling block under the same key, and only if the block still holds the
-  registration it had when recorded (it may have been evicted and reused since).
+  registration it had when recorded (it may have been evicted and reused since: vLLM
+  builds a new key object for every registration, so identity tells them apart).
 
 The mixin is grafted onto the instance (``pool.__class__`` swap), whatever class vLLM or
 kvcached built, so it relies on no constructor: state is set up by :func:`graft`.
@@ -46,7 +47,7 @@ class GuardUnsupportedError(RuntimeError):
 class RegistrationSink(Protocol):
     """Where the pool reports speculative registrations (the ledger's open bucket)."""
 
-    def record(self, request_id: str | None, key: Any, block: Any, generation: int) -> None: ...
+    def record(self, request_id: str | None, key: Any, block: Any) -> None: ...
 
 
 class PrefixGuardPool(_PoolBase):
@@ -56,15 +57,12 @@ class PrefixGuardPool(_PoolBase):
     _guard_sink: RegistrationSink | None
     # Request whose cache_*_block call is running; None for pool-driven moves (Mamba CoW).
     _guard_request_id: str | None
-    # Bumped whenever a block loses its hashes, so old records can tell it was reused.
-    _guard_generation: dict[int, int]
     # Bumped on every successful reset_prefix_cache (which drops all hashes at once).
     guard_epoch: int
 
     def _guard_init_state(self) -> None:
         self._guard_sink = None
         self._guard_request_id = None
-        self._guard_generation = {}
         self.guard_epoch = 0
 
     # -- recording -------------------------------------------------------------------
@@ -89,25 +87,18 @@ class PrefixGuardPool(_PoolBase):
 
     def _insert_block_hash(self, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
         sink = self._guard_sink
-        if (
-            sink is None
-            or block.block_hash == key
-            or self.cached_block_hash_to_block.contain(key, block.block_id)
-        ):
-            # Not recording, or not a new (key, block) pair: nothing to undo later.
+        if sink is None:
             return super()._insert_block_hash(key, block, *args, **kwargs)
-        result = super()._insert_block_hash(key, block, *args, **kwargs)
-        sink.record(
-            self._guard_request_id, key, block, self._guard_generation.get(block.block_id, 0)
+        # An unhashed block is in no entry yet (every removal path clears all of a
+        # block's keys), so the pair is new; otherwise ask, as vLLM is about to.
+        is_new = block.block_hash is None or (
+            block.block_hash != key
+            and not self.cached_block_hash_to_block.contain(key, block.block_id)
         )
+        result = super()._insert_block_hash(key, block, *args, **kwargs)
+        if is_new:
+            sink.record(self._guard_request_id, key, block)
         return result
-
-    def _remove_cached_block_hashes(self, block: Any, *args: Any, **kwargs: Any) -> Any:
-        removed = super()._remove_cached_block_hashes(block, *args, **kwargs)
-        if removed:
-            generation = self._guard_generation
-            generation[block.block_id] = generation.get(block.block_id, 0) + 1
-        return removed
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         reset = super().reset_prefix_cache(*args, **kwargs)
@@ -117,7 +108,7 @@ class PrefixGuardPool(_PoolBase):
 
     # -- undo ------------------------------------------------------------------------
 
-    def guard_unregister(self, key: Any, block: Any, generation: int) -> bool:
+    def guard_unregister(self, key: Any, block: Any) -> bool:
         """Remove the recorded registration ``(key, block.block_id)``; emit ``BlockRemoved``.
 
         A primary key takes the block's secondary (partial) keys with it: those were
@@ -125,23 +116,22 @@ class PrefixGuardPool(_PoolBase):
         are never touched.
 
         Returns:
-            False if the record is stale (the block lost its hashes since it was
+            False if the record is stale (the block lost that registration since it was
             recorded, e.g. evicted and reused) or the pair is already gone.
         """
         block_id = block.block_id
-        if self._guard_generation.get(block_id, 0) != generation:
-            return False
-        if block.block_hash == key:
+        if block.block_hash is key:
             removed = self._remove_cached_block_hashes(block)
-        elif self.cached_block_hash_to_block.pop(key, block_id) is not None:
-            secondary = self.cached_block_hashes_by_block.get(block_id)
-            if secondary is not None:
-                secondary.discard(key)
-                if not secondary:
-                    del self.cached_block_hashes_by_block[block_id]
-            removed = [key]
         else:
-            return False
+            secondary = self.cached_block_hashes_by_block.get(block_id)
+            if not secondary or key not in secondary:
+                return False
+            if self.cached_block_hash_to_block.pop(key, block_id) is None:
+                return False
+            secondary.discard(key)
+            if not secondary:
+                del self.cached_block_hashes_by_block[block_id]
+            removed = [key]
         self._emit_block_removed_events(removed)
         return bool(removed)
 
@@ -149,11 +139,21 @@ class PrefixGuardPool(_PoolBase):
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
-def graft(pool: Any) -> Any:
-    """Make ``pool`` a :class:`PrefixGuardPool` in place (identity preserved); idempotent.
+def graft(pool: Any, fresh: bool = False) -> Any:
+    """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
 
     One guarded class is built per base class, so ``type(pool).__mro__`` reads
     ``PrefixGuarded<Base> -> PrefixGuardPool -> <Base> -> ...``.
+
+    Args:
+        pool: the pool vLLM (or kvcached) built.
+        fresh: ``pool`` was just constructed and only its own blocks refer to it (vLLM's
+            coordinator assigning the pool it built). It is then moved into the guarded
+            class as a new object, attributes copied in order and blocks re-pointed:
+            CPython 3.11 turns an object's inline attributes into a dict when its
+            ``__class__`` is reassigned, which slows every later access (measured: about
+            1% of a scheduler step). Otherwise (a pool others already share, e.g.
+            kvcached's replacement) the class is swapped in place, identity preserved.
 
     Raises:
         GuardUnsupportedError: the pool lacks an internal the guard relies on.
@@ -173,6 +173,16 @@ def graft(pool: Any) -> Any:
             f"PrefixGuarded{base.__name__}", (PrefixGuardPool, base), {"__module__": __name__}
         )
         _GUARDED_CLASSES[base] = guarded
-    pool.__class__ = guarded
+    blocks = getattr(pool, "blocks", None)
+    if fresh and blocks is not None:
+        moved = object.__new__(guarded)
+        for name, value in vars(pool).items():
+            object.__setattr__(moved, name, value)
+        for block in blocks:
+            if getattr(block, "pool", None) is pool:
+                block.pool = moved
+        pool = moved
+    else:
+        pool.__class__ = guarded
     pool._guard_init_state()
     return pool

@@ -114,14 +114,15 @@ def check(target: Target) -> Any:
 
 
 def check_coordinator() -> Any:
-    """The coordinator class whose ``block_pool`` assignment the guard intercepts."""
+    """The coordinator class whose ``block_pool`` assignment the guard intercepts
+    (through ``__setattr__``: a class-level ``block_pool`` would bypass it)."""
     where = f"{COORDINATOR_MODULE}.KVCacheCoordinator"
     try:
         coordinator = resolve(COORDINATOR_MODULE, "KVCacheCoordinator")
     except (ImportError, AttributeError) as exc:
         raise _unsupported(where, f"cannot be imported ({exc})") from exc
     if "block_pool" in vars(coordinator):
-        raise _unsupported(where + ".block_pool", "is already a class attribute")
+        raise _unsupported(where + ".block_pool", "is a class attribute, not per instance")
     return coordinator
 
 
