@@ -17,6 +17,8 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any
 
+from vllm_prefix_guard.fuzz.cli import add_parser as add_fuzz_parser
+
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "prefix_guard"
 
@@ -107,12 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--self-test", action="store_true", help="also run stock vs guarded")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=cmd_doctor)
-    try:
-        from vllm_prefix_guard.fuzz import cli as fuzz_cli
-    except ImportError:
-        pass
-    else:
-        fuzz_cli.add_parser(sub)
+    add_fuzz_parser(sub)
     return parser
 
 

@@ -147,11 +147,14 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
         if ledger is None:
             return original(self, scheduler_output, model_runner_output, *args, **kwargs)
         kv_output = model_runner_output.kv_connector_output
+        undone: dict[str, set[int]] = {}
         if kv_output is not None and kv_output.invalid_block_ids:
             undone = ledger.rollback_failed_loads(scheduler_output, kv_output.invalid_block_ids)
             if undone:
                 rewind_cached_block_counts(self, undone)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+        if undone:
+            preempt_failed_load_sharers(self, scheduler_output, ledger, undone)
         ledger.commit_step(scheduler_output)
         stats_file = self._prefix_guard_stats_file
         if stats_file is not None:
@@ -261,12 +264,50 @@ def withdraw_dependents(scheduler: Any, output: Any, ledger: StepLedger) -> None
         request.num_in_flight_tokens -= num_scheduled
         scheduler.running.remove(request)
         scheduler._preempt_request(request, now)
-        ledger.stats.dependents_preempted += 1
-    if dependents and ledger.stats.dependents_preempted == len(dependents):
+    _count_dependents(ledger, len(dependents))
+
+
+def preempt_failed_load_sharers(
+    scheduler: Any, output: Any, ledger: StepLedger, undone: dict[str, set[int]]
+) -> None:
+    """Preempt running requests that still count a block whose load failed as computed.
+
+    vLLM truncates the request that loaded the block; under ``recompute`` it lets every
+    other holder keep the block as computed, trusting the first to rewrite it before they
+    read it, which the scheduler does not guarantee. Each such sharer restarts (its
+    in-flight output dropped, as ``reset_prefix_cache`` does), and its registrations from
+    the failing step on, computed over the invalid KV, are rolled back.
+    """
+    failed = set().union(*undone.values())
+    block_size = scheduler.block_size
+    manager = scheduler.kv_cache_manager
+    sharers = []
+    for request in scheduler.running:
+        if request.request_id in undone:
+            continue
+        computed = -(-request.num_computed_tokens // block_size)
+        block_ids = manager.get_block_ids(request.request_id)[0][:computed]
+        if not failed.isdisjoint(block_ids):
+            sharers.append(request)
+    now = time.monotonic()
+    for request in sharers:
+        ledger.rollback_request_from(output, request.request_id)
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, now, drop_stale_output=True)
+    _count_dependents(ledger, len(sharers))
+
+
+def _count_dependents(ledger: StepLedger, preempted: int) -> None:
+    """Count requests preempted for reading rolled-back blocks; warn the first time."""
+    if not preempted:
+        return
+    first = ledger.stats.dependents_preempted == 0
+    ledger.stats.dependents_preempted += preempted
+    if first:
         _logger().warning(
-            "vllm-prefix-guard: preempted %d request(s) that read prefix-cache blocks "
-            "rolled back in the same step; they will recompute (logged once).",
-            len(dependents),
+            "vllm-prefix-guard: preempted %d request(s) that counted rolled-back prefix-cache "
+            "blocks as computed; they recompute (logged once per scheduler).",
+            preempted,
         )
 
 

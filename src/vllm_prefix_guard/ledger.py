@@ -196,6 +196,21 @@ class StepLedger:
                     self._undo_request(bucket, request_id, undone)
         return affected
 
+    def rollback_request_from(self, output: object, request_id: str) -> int:
+        """Undo ``request_id``'s entries in the step of ``output`` and every later step in
+        flight: that request computed them over KV that failed to load."""
+        undone = 0
+        found = False
+        for key, (_, bucket) in self._dispatched.items():
+            found = found or key == id(output)
+            if found:
+                entries = bucket.pop_request(request_id)
+                if entries:
+                    self.stats.uncommitted_entries -= len(entries)
+                    undone += self._undo(entries)
+        self.stats.rolled_back_kv_load_failure += undone
+        return undone
+
     def _collect_failed(
         self, bucket: StepBucket, invalid: set[int], affected: dict[str, set[int]]
     ) -> None:

@@ -175,7 +175,7 @@ def graft(pool: Any, fresh: bool = False) -> Any:
         _GUARDED_CLASSES[base] = guarded
     blocks = getattr(pool, "blocks", None)
     if fresh and blocks is not None:
-        moved = object.__new__(guarded)
+        moved: Any = object.__new__(guarded)
         for name, value in vars(pool).items():
             object.__setattr__(moved, name, value)
         for block in blocks:

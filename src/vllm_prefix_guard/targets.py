@@ -46,7 +46,12 @@ SCHEDULER_TARGETS = (
         "update_from_output",
         ("scheduler_output", "model_runner_output"),
     ),
-    Target(SCHEDULER_MODULE, "Scheduler", "_preempt_request", ("request", "timestamp")),
+    Target(
+        SCHEDULER_MODULE,
+        "Scheduler",
+        "_preempt_request",
+        ("request", "timestamp", "drop_stale_output"),
+    ),
     Target(SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache"),
     Target(SCHEDULER_MODULE, "Scheduler", "_update_waiting_for_remote_kv", ("request",)),
     Target(SCHEDULER_MODULE, "Scheduler", "shutdown"),

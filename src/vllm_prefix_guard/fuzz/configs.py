@@ -1,0 +1,203 @@
+"""Named fuzz configurations: a scheduler, an engine depth, and the traffic to feed it.
+
+A configuration plus a seed is one :class:`Workload`. *Targeted* configurations aim at a
+known failure window, and stock vLLM must show violations in them within the CI run;
+the others are broad random traffic, where stock rarely fails and the guard must not
+change anything it does not have to (equal hits and preemptions).
+
+Pools are small on purpose (preemption is the trigger); ``max_num_batched_tokens`` and
+the chunk threshold keep steps cheap enough for 10^5-step soaks. The victim
+configurations give every request a 16-block system prompt, as real traffic has: where
+stock hits never-written KV the guard computes those tokens instead, and measured
+against a realistic volume of valid hits that is the small fraction it is in practice.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_prefix_guard.fuzz.generators import (
+    FailedLoadEpisodes,
+    Traffic,
+    VictimEpisodes,
+    failed_load_episodes,
+    random_traffic,
+    victim_episodes,
+)
+from vllm_prefix_guard.fuzz.workload import Event, Workload
+from vllm_prefix_guard.testing.factory import SchedulerSpec
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    """One configuration. ``horizon`` is the CI size: iterations during which requests
+    arrive (the run then drains); soaks pass a larger one."""
+
+    name: str
+    description: str
+    spec: SchedulerSpec
+    depth: int = 1
+    horizon: int = 1000
+    traffic: Traffic | None = None
+    victims: VictimEpisodes | None = None
+    failed_loads: FailedLoadEpisodes | None = None
+    # Every request starts with this many blocks of a shared system prompt.
+    system_prompt_blocks: int = 0
+    # Stock vLLM must show violations here.
+    targeted: bool = False
+
+    def workload(self, seed: int, horizon: int | None = None) -> Workload:
+        """The workload of ``seed``; each generator draws from its own stream."""
+        horizon = self.horizon if horizon is None else horizon
+        size = self.spec.block_size
+        system = self.system_prompt_blocks
+        events: list[Event] = []
+        if self.traffic is not None:
+            rng = random.Random(f"{self.name}/{seed}/traffic")
+            events += random_traffic(rng, self.traffic, horizon, size, system)
+        if self.victims is not None:
+            rng = random.Random(f"{self.name}/{seed}/victims")
+            events += victim_episodes(rng, self.victims, horizon, size, system)
+        if self.failed_loads is not None:
+            rng = random.Random(f"{self.name}/{seed}/failed_loads")
+            events += failed_load_episodes(rng, self.failed_loads, horizon, size, system)
+        return Workload(self.spec, self.depth, tuple(events))
+
+
+def _spec(**overrides: Any) -> SchedulerSpec:
+    base: dict[str, Any] = dict(
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=4096,
+        long_prefill_token_threshold=64,
+    )
+    base.update(overrides)
+    return SchedulerSpec(**base)
+
+
+_FAMILIES = Traffic(arrival_rate=0.6, n_prob=0.15, abort_prob=0.05)
+
+CONFIGS: dict[str, FuzzConfig] = {
+    c.name: c
+    for c in (
+        FuzzConfig(
+            "fcfs-families",
+            "FCFS; shared-prefix families, identical prompts, n>1, chunked prefill, aborts",
+            _spec(num_blocks=48),
+            traffic=_FAMILIES,
+        ),
+        FuzzConfig(
+            "fcfs-families-async",
+            "as fcfs-families on the AsyncScheduler, two steps in flight (aborts land "
+            "while the next step runs)",
+            _spec(num_blocks=48, async_scheduling=True),
+            depth=2,
+            traffic=_FAMILIES,
+        ),
+        FuzzConfig(
+            "priority-random",
+            "priority policy, random priorities, small pool (frequent preemption), aborts",
+            _spec(num_blocks=40, policy="priority"),
+            traffic=Traffic(arrival_rate=0.6, priority="random", abort_prob=0.05),
+        ),
+        FuzzConfig(
+            "priority-phased-async",
+            "priority policy, phased priorities (newcomers alternately outrank and yield "
+            "to running requests), async, small pool, aborts in flight",
+            _spec(num_blocks=40, policy="priority", async_scheduling=True),
+            depth=2,
+            traffic=Traffic(arrival_rate=0.6, priority="phased", abort_prob=0.08, n_prob=0.15),
+        ),
+        FuzzConfig(
+            "reset-async",
+            "priority policy, async; reset_prefix_cache mid-run, with and without "
+            "preempting the running requests",
+            _spec(num_blocks=40, policy="priority", async_scheduling=True),
+            depth=2,
+            traffic=Traffic(arrival_rate=0.6, priority="random", reset_interval=60),
+        ),
+        FuzzConfig(
+            "victim",
+            "targeted: an already-scheduled low-priority request is the priority victim "
+            "while followers look up its prefix",
+            _spec(num_blocks=24 + 16, policy="priority"),
+            horizon=2000,
+            victims=VictimEpisodes(),
+            system_prompt_blocks=16,
+            targeted=True,
+        ),
+        FuzzConfig(
+            "victim-async",
+            "targeted victim episodes on the AsyncScheduler, two steps in flight",
+            _spec(num_blocks=24 + 16, policy="priority", async_scheduling=True),
+            depth=2,
+            horizon=2000,
+            victims=VictimEpisodes(),
+            system_prompt_blocks=16,
+            targeted=True,
+        ),
+        FuzzConfig(
+            "kv-load-recompute",
+            "targeted: KV-connector sync loads fail (policy recompute) while followers "
+            "look up the loaded prefix",
+            _spec(num_blocks=64, kv_load_failure_policy="recompute"),
+            failed_loads=FailedLoadEpisodes(),
+            traffic=Traffic(arrival_rate=0.3, external_share=0.3, fail_share=0.3),
+            targeted=True,
+        ),
+        FuzzConfig(
+            "kv-load-shared",
+            "targeted: identical prompts (n>1) load the same remote prefix in one step and "
+            "the load fails (policy recompute); vLLM lets all but the first sharer keep "
+            "the invalid blocks as computed while the first recomputes them chunk by chunk",
+            _spec(num_blocks=64, kv_load_failure_policy="recompute"),
+            traffic=Traffic(
+                arrival_rate=0.3,
+                prefix_blocks=(4, 10),
+                n_prob=0.4,
+                external_share=0.6,
+                fail_share=0.5,
+            ),
+            targeted=True,
+        ),
+        FuzzConfig(
+            "kv-load-fail-abort-async",
+            "targeted: KV-connector sync loads fail (policy fail) and the loader is "
+            "aborted before the failing step's update; async, two steps in flight",
+            _spec(num_blocks=64, kv_load_failure_policy="fail", async_scheduling=True),
+            depth=2,
+            failed_loads=FailedLoadEpisodes(abort_loader=0.7),
+            traffic=Traffic(arrival_rate=0.3, external_share=0.3, fail_share=0.3, abort_prob=0.1),
+            targeted=True,
+        ),
+        FuzzConfig(
+            "everything-async",
+            "all of it at once: priority phases, async, n>1, aborts in flight, resets, "
+            "victim episodes, and sync loads that fail (policy recompute) in a small pool",
+            _spec(
+                num_blocks=40,
+                policy="priority",
+                async_scheduling=True,
+                kv_load_failure_policy="recompute",
+            ),
+            depth=2,
+            horizon=600,
+            traffic=Traffic(
+                arrival_rate=0.7,
+                priority="phased",
+                abort_prob=0.1,
+                n_prob=0.2,
+                reset_interval=80,
+                external_share=0.3,
+                fail_share=0.4,
+            ),
+            victims=VictimEpisodes(gap=30),
+            failed_loads=FailedLoadEpisodes(gap=40, abort_loader=0.5),
+            system_prompt_blocks=2,
+            targeted=True,
+        ),
+    )
+}

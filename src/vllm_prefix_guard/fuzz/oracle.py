@@ -1,0 +1,115 @@
+"""The fuzzer's view of the shadow-KV oracle: per-step meters and invalid-hit accounting.
+
+:class:`MeteredDriver` is the shadow-KV :class:`Driver` plus:
+
+- *metering*: prefix-cache hit tokens, scheduled and loaded tokens. A request's hit is
+  the tokens it starts with as computed when first scheduled, minus what the KV
+  connector loads for it in that step: the local hit the scheduler acted on, which is
+  what vLLM reports per request (``num_cached_tokens``, less connector tokens). Hits on
+  resuming after a preemption are not added, so preemption churn does not inflate it;
+- *invalid hits*: hit tokens whose KV was never written (or holds another prefix) when
+  the first step ran, and *bad admissions*: admissions, resumes included, that read
+  such KV. Stock vLLM's hits include the former, the guard's cannot; each of the latter
+  let stock skip computing tokens the guard computes, which can shift its schedule (and
+  its preemptions) from there on. So the gaps between the two are explained, not
+  just observed;
+- *discarded reads*: a step that holds a block whose KV load failed (reported by that
+  step, or by an earlier one after this step was dispatched) is not checked for the
+  requests holding such a block. When the failure is reported vLLM finds those
+  requests by block id (``_update_requests_with_invalid_blocks``), truncates or fails
+  them, and drops their output of every step dispatched before; their reads there,
+  including of KV they computed over the invalid blocks, are vLLM's known loss, alike
+  with and without the guard. Later steps are checked as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_prefix_guard.testing.shadow_kv import Driver, ScheduledRead, ShadowKV, StepPlan
+
+
+@dataclass
+class FuzzKV(ShadowKV):
+    """Shadow KV that attributes the bad reads of admitting steps to prefix-cache hits."""
+
+    # id(read) -> whether it is its request's first admission, for reads that admit
+    # their request (their start is its prefix-cache hit).
+    admission_reads: dict[int, bool] = field(default_factory=dict)
+    invalid_hit_tokens: int = 0
+    bad_admissions: int = 0
+    discarded_reads: int = 0
+
+    def check_reads(
+        self, step: int, read: ScheduledRead, skip_blocks: set[int], record: bool = True
+    ) -> bool:
+        if skip_blocks and not skip_blocks.isdisjoint(
+            read.block_ids[: -(-read.start // self.block_size)]
+        ):
+            if record:
+                self.admission_reads.pop(id(read), None)
+                self.discarded_reads += 1
+            return False
+        if not record or id(read) not in self.admission_reads:
+            return super().check_reads(step, read, skip_blocks, record)
+        first = self.admission_reads.pop(id(read))
+        before = self.counts.total()
+        clean = super().check_reads(step, read, skip_blocks, record)
+        bad = self.counts.total() - before
+        if bad:
+            self.bad_admissions += 1
+            if first:
+                self.invalid_hit_tokens += bad
+        return clean
+
+
+class MeteredDriver(Driver):
+    """The shadow-KV driver, tallying admissions, hits and scheduled tokens per step.
+
+    It keeps no output history (``Driver.outputs``), so a soak's memory stays flat.
+    """
+
+    def __init__(self, scheduler: Any, depth: int) -> None:
+        super().__init__(scheduler, depth)
+        self.worker.kv = self.fuzz_kv = FuzzKV(self.worker.block_size)
+        self.steps = 0
+        self.request_hit_tokens = 0
+        self.computed_tokens = 0
+        self.loaded_tokens = 0
+        # request id -> its num_preemptions when last admitted.
+        self._admitted: dict[str, int] = {}
+
+    def schedule(self) -> Any:
+        output = super().schedule()
+        self.outputs.clear()
+        self._observe(self.in_flight[-1])
+        return output
+
+    def complete(self) -> Any:
+        plan = self.in_flight[0]
+        try:
+            return super().complete()
+        finally:
+            # The oracle does not check every read (e.g. of a request whose load failed);
+            # forget them all, so a later read reusing an id is not taken for one.
+            for read in plan.reads:
+                self.fuzz_kv.admission_reads.pop(id(read), None)
+
+    def _observe(self, plan: StepPlan) -> None:
+        self.steps += 1
+        self.computed_tokens += plan.output.total_num_scheduled_tokens
+        loaded: dict[str, int] = {}
+        for load in plan.loads:
+            loaded[load.request_id] = loaded.get(load.request_id, 0) + load.num_tokens
+        self.loaded_tokens += sum(loaded.values())
+        requests = self.scheduler.requests
+        for read in plan.reads:
+            preemptions = requests[read.request_id].num_preemptions
+            seen = self._admitted.get(read.request_id)
+            if seen != preemptions:
+                self._admitted[read.request_id] = preemptions
+                first = seen is None
+                if first:
+                    self.request_hit_tokens += read.start - loaded.get(read.request_id, 0)
+                self.fuzz_kv.admission_reads[id(read)] = first

@@ -1,0 +1,105 @@
+"""Render differential results: a markdown table for people, JSON for tools."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm_prefix_guard.fuzz.differential import ConfigResult
+from vllm_prefix_guard.fuzz.runner import RunResult
+
+COLUMNS = (
+    "configuration",
+    "mode",
+    "bad reads (never written / wrong)",
+    "hit tokens",
+    "of which on bad KV",
+    "computed tokens",
+    "preemptions",
+    "rolled back: preempted (in flight) / KV load / dropped step",
+    "peak ledger",
+    "steps",
+)
+
+
+def _row(result: ConfigResult, run: RunResult, first: bool) -> list[str]:
+    rolled = (
+        f"{run.rolled_back_preempted} ({run.rolled_back_in_flight}) / "
+        f"{run.rolled_back_kv_load_failure} / {run.rolled_back_dropped_step}"
+        if run.mode != "stock"
+        else "-"
+    )
+    name = result.config.name + (" (targeted)" if result.config.targeted else "")
+    return [
+        name if first else "",
+        run.mode,
+        f"{run.violations} ({run.never_written} / {run.wrong_content})",
+        str(run.hit_tokens),
+        str(run.invalid_hit_tokens),
+        str(run.computed_tokens),
+        str(run.preemptions),
+        rolled,
+        str(run.peak_uncommitted_entries) if run.mode != "stock" else "-",
+        str(run.steps),
+    ]
+
+
+def markdown_table(results: list[ConfigResult]) -> str:
+    """One row per configuration and mode, totals over that configuration's seeds."""
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    for result in results:
+        for i, mode in enumerate(result.modes):
+            lines.append("| " + " | ".join(_row(result, result.totals[mode], i == 0)) + " |")
+    return "\n".join(lines)
+
+
+def checks_text(results: list[ConfigResult]) -> str:
+    lines = []
+    for result in results:
+        seeds = result.seeds
+        span = f"seeds {seeds[0]}-{seeds[-1]}" if seeds else "no seeds"
+        lines.append(f"{result.config.name} ({span}):")
+        for check in result.checks():
+            lines.append(f"  [{check.status:>9}] {check.name}: {check.detail}")
+    return "\n".join(lines)
+
+
+def to_json(
+    results: list[ConfigResult],
+    environment: dict[str, Any],
+    reproducers: dict[str, dict[str, str]] | None = None,
+) -> dict[str, Any]:
+    """Everything the table shows, per configuration, plus checks and reproducers."""
+    configs = []
+    for result in results:
+        config = result.config
+        configs.append(
+            {
+                "name": config.name,
+                "description": config.description,
+                "targeted": config.targeted,
+                "depth": config.depth,
+                "seeds": result.seeds,
+                "modes": {
+                    mode: {
+                        k: v
+                        for k, v in dataclasses.asdict(run).items()
+                        if k not in ("mode", "first_violation_iteration")
+                    }
+                    | {"violations": run.violations}
+                    for mode, run in result.totals.items()
+                },
+                "violating_seeds": result.violating_seeds,
+                "checks": [dataclasses.asdict(c) for c in result.checks()],
+                "ok": result.ok,
+                "reproducers": (reproducers or {}).get(config.name, {}),
+            }
+        )
+    return {
+        **environment,
+        "ok": all(r.ok for r in results),
+        "configs": configs,
+    }

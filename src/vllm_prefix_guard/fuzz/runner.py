@@ -1,0 +1,237 @@
+"""Run one :class:`Workload` against a real vLLM scheduler in one mode, and measure it.
+
+Modes:
+
+- ``stock``: the installed vLLM as is (the guard is undone while the scheduler is built
+  and run);
+- ``guard``: with ``vllm_prefix_guard.plugin.apply()``;
+- ``pr43569``: the guard with upstream PR #43569's rollback scope (see ``pr43569``).
+
+The engine loop is the shadow-KV :class:`Driver`: steps execute in dispatch order with
+``workload.depth`` steps in flight, aborts land just before an update, and every read of
+KV that was never written (or holds another prefix) is counted. Metrics (all exact):
+
+- *hit tokens*: for each request, the tokens it starts with as already computed when
+  first scheduled, minus the tokens the KV connector loads for it in that step: the
+  local prefix-cache hit the scheduler acted on (vLLM's per-request
+  ``num_cached_tokens`` without connector tokens). Read off the scheduled step, it
+  means the same on every vLLM version; ``PrefixCacheStats`` counts a lookup again each
+  step a request waits, and resumed requests again, so churn would inflate it;
+- *computed tokens*: the sum of ``total_num_scheduled_tokens`` over all steps;
+- *preemptions*: the sum of ``Request.num_preemptions`` (inside ``schedule()`` and by
+  ``reset_prefix_cache``);
+- the guard ledger's counters (rollbacks by cause, peak uncommitted entries).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_prefix_guard import plugin
+from vllm_prefix_guard.fuzz.oracle import MeteredDriver
+from vllm_prefix_guard.fuzz.pr43569 import InFlightRollbacks, adopt_pr43569_scope
+from vllm_prefix_guard.fuzz.workload import Abort, Arrive, Reset, Workload, expand
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.testing.factory import make_request, make_scheduler
+from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT
+
+MODES = ("stock", "guard", "pr43569")
+
+#: Iterations a run may take after its last event before it is declared stalled.
+DRAIN_ITERATIONS = 5_000
+
+
+@dataclass
+class RunResult:
+    """What one run of one workload in one mode did. Counters are exact."""
+
+    mode: str
+    steps: int = 0
+    requests: int = 0
+    never_written: int = 0
+    wrong_content: int = 0
+    hit_tokens: int = 0
+    # Hit tokens whose KV was never written or holds another prefix, and admissions
+    # (resumes included) that read such KV.
+    invalid_hit_tokens: int = 0
+    bad_admissions: int = 0
+    computed_tokens: int = 0
+    loaded_tokens: int = 0
+    preemptions: int = 0
+    rolled_back_preempted: int = 0
+    rolled_back_in_flight: int = 0
+    rolled_back_kv_load_failure: int = 0
+    rolled_back_dropped_step: int = 0
+    dependents_preempted: int = 0
+    peak_uncommitted_entries: int = 0
+    # Reads not checked: their step held a block whose failed load vLLM then reported.
+    discarded_reads: int = 0
+    # reset_prefix_cache calls vLLM refused (it raised; the engine would serve on).
+    resets_refused: int = 0
+    # Runs stopped with requests left DRAIN_ITERATIONS after the last event, and how
+    # many requests were left (a liveness finding, not a KV one).
+    stalled_runs: int = 0
+    stalled_requests: int = 0
+    # Engine iteration whose step read bad KV first (None: no violation).
+    first_violation_iteration: int | None = None
+    # Up to the oracle's first 100 bad reads: (step, request, position, block, kind).
+    examples: list[tuple[int, str, int, int, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def violations(self) -> int:
+        return self.never_written + self.wrong_content
+
+
+@contextmanager
+def guard_state(on: bool) -> Iterator[None]:
+    """Apply or undo the guard for the duration; restore what the process had.
+
+    A scheduler keeps the hooks it was built under only while they stay applied, so the
+    state must hold for the whole run, not just construction. (``apply()`` patches
+    nothing when the installed vLLM already ships an equivalent fix: "guard" then
+    measures that build.)
+    """
+    was_applied = plugin.is_applied()
+    if on:
+        plugin.apply()
+    else:
+        plugin.undo()
+    try:
+        yield
+    finally:
+        if was_applied:
+            plugin.apply()
+        else:
+            plugin.undo()
+
+
+def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = False) -> RunResult:
+    """Run ``workload`` to completion (every request finished) in ``mode``.
+
+    A run that still has requests ``DRAIN_ITERATIONS`` after its last event is stopped
+    and counted in ``stalled_runs``.
+
+    Args:
+        stop_on_violation: return right after the first step that read bad KV (the
+            shrinker only needs to know whether a violation happens, and where).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    started = time.perf_counter()
+    with guard_state(mode != "stock"):
+        scheduler = make_scheduler(workload.spec)
+        ledger = ledger_of(scheduler)
+        in_flight = (
+            adopt_pr43569_scope(ledger)
+            if mode == "pr43569" and ledger is not None
+            else InFlightRollbacks()
+        )
+        driver = MeteredDriver(scheduler, workload.depth)
+        requests = []
+        pending = deque(workload.events)
+        arrival = 0
+        iteration = 0
+        first_violation: int | None = None
+        resets_refused = 0
+        limit = workload.last_step + DRAIN_ITERATIONS
+        while pending or scheduler.has_requests() or driver.in_flight:
+            while pending and pending[0].step <= iteration:
+                event = pending.popleft()
+                if isinstance(event, Arrive):
+                    arrival += 1
+                    requests.append(_arrive(driver, event, workload.spec.block_size, arrival))
+                elif not _inject(driver, event):
+                    resets_refused += 1
+            driver.step()
+            iteration += 1
+            if first_violation is None and driver.kv.counts:
+                first_violation = iteration - 1
+                if stop_on_violation:
+                    break
+            if iteration > limit:
+                break
+        result = _result(mode, driver, requests, ledger, in_flight, first_violation)
+        result.resets_refused = resets_refused
+        if iteration > limit:
+            result.stalled_runs = 1
+            result.stalled_requests = len(scheduler.running) + len(scheduler.waiting)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int) -> Any:
+    request = make_request(
+        event.request_id,
+        expand(event.prompt),
+        block_size=block_size,
+        max_tokens=event.max_tokens,
+        priority=event.priority,
+        arrival_time=float(arrival),
+    )
+    connector = driver.scheduler.connector
+    if connector is not None:
+        if event.external_tokens:
+            connector.external_tokens[event.request_id] = event.external_tokens
+        if event.fail_load:
+            connector.fail_loads.add(event.request_id)
+    driver.add(request)
+    return request
+
+
+def _inject(driver: MeteredDriver, event: Abort | Reset) -> bool:
+    """Apply an abort or a reset; False if vLLM refused the reset."""
+    if isinstance(event, Abort):
+        driver.abort(event.request_id)
+        return True
+    try:
+        driver.scheduler.reset_prefix_cache(reset_running_requests=event.running)
+    except RuntimeError:
+        # With a KV-consuming connector and a step in flight, vLLM 0.33 defers freeing
+        # the preempted requests' blocks (defer_block_free), so the reset cannot empty
+        # the pool and raises. EngineCore returns that error to the caller and serves on.
+        return False
+    return True
+
+
+def _result(
+    mode: str,
+    driver: MeteredDriver,
+    requests: list[Any],
+    ledger: Any,
+    in_flight: InFlightRollbacks,
+    first_violation: int | None,
+) -> RunResult:
+    counts = driver.kv.counts
+    result = RunResult(
+        mode=mode,
+        steps=driver.steps,
+        requests=len(requests),
+        never_written=counts[NEVER_WRITTEN],
+        wrong_content=counts[WRONG_CONTENT],
+        hit_tokens=driver.request_hit_tokens,
+        invalid_hit_tokens=driver.fuzz_kv.invalid_hit_tokens,
+        bad_admissions=driver.fuzz_kv.bad_admissions,
+        discarded_reads=driver.fuzz_kv.discarded_reads,
+        computed_tokens=driver.computed_tokens,
+        loaded_tokens=driver.loaded_tokens,
+        preemptions=sum(r.num_preemptions for r in requests),
+        rolled_back_in_flight=in_flight.entries,
+        first_violation_iteration=first_violation,
+        examples=[
+            (v.step, v.request_id, v.position, v.block_id, v.kind) for v in driver.kv.violations
+        ],
+    )
+    if ledger is not None:
+        stats = ledger.stats
+        result.rolled_back_preempted = stats.rolled_back_preempted
+        result.rolled_back_kv_load_failure = stats.rolled_back_kv_load_failure
+        result.rolled_back_dropped_step = stats.rolled_back_dropped_step
+        result.dependents_preempted = stats.dependents_preempted
+        result.peak_uncommitted_entries = stats.peak_uncommitted_entries
+    return result

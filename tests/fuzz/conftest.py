@@ -1,0 +1,44 @@
+"""The CI differential run, computed once per session and shared by the acceptance tests.
+
+Sized for CI (issue 3: the whole fuzz suite in about 90 s per vLLM version on two
+cores): every configuration on seeds 0-2 at its CI horizon, in all three modes. The
+table is printed at the end of the session, so CI logs show the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_prefix_guard.fuzz.configs import CONFIGS
+from vllm_prefix_guard.fuzz.differential import ConfigResult, run_matrix
+
+CI_SEEDS = range(3)
+
+_results: dict[str, ConfigResult] = {}
+
+
+@pytest.fixture(scope="session")
+def ci_results() -> Iterator[dict[str, ConfigResult]]:
+    """Configuration name -> its totals over ``CI_SEEDS``, all modes."""
+    if not _results:
+        from vllm_prefix_guard.fuzz.cli import quiet_vllm
+
+        quiet_vllm()
+        for result in run_matrix(CONFIGS.values(), CI_SEEDS):
+            _results[result.config.name] = result
+    yield _results
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _results:
+        return
+    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table
+    from vllm_prefix_guard.targets import vllm_version
+
+    results = list(_results.values())
+    terminalreporter.section(f"fuzz: stock vs guard vs pr43569 (vLLM {vllm_version()})")
+    terminalreporter.write_line(markdown_table(results))
+    terminalreporter.write_line("")
+    terminalreporter.write_line(checks_text(results))

@@ -1,0 +1,99 @@
+"""Issue 3's acceptance checks on the CI differential run (see ``conftest.py``).
+
+One test per check and configuration, so a failure names both. The checks themselves
+live in ``differential`` (the CLI and the soak apply the same ones); here they must not
+FAIL, and where stock read only valid KV they must pass outright (not "explained").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_prefix_guard.fuzz.configs import CONFIGS
+from vllm_prefix_guard.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
+
+TARGETED = [name for name, config in CONFIGS.items() if config.targeted]
+ALL = list(CONFIGS)
+ASYNC = [name for name, config in CONFIGS.items() if config.depth > 1]
+
+#: Configurations where the fuzzer still finds the guard reading bad KV, and why. Not
+#: strict: the CI seeds hit the window on vLLM 0.32 but not on 0.33.
+KNOWN_GUARD_GAPS = {
+    "everything-async": (
+        "async scheduling with KV-load failures, aborts and resets mixed: a reader of a "
+        "block whose load failed can still read it in a step already in flight (open)"
+    ),
+}
+
+
+def _with_gaps(configs: list[str]) -> list[object]:
+    return [
+        pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_GUARD_GAPS[c], strict=False))
+        if c in KNOWN_GUARD_GAPS
+        else c
+        for c in configs
+    ]
+
+
+def _check(result: ConfigResult, name: str) -> tuple[str, str]:
+    [check] = [c for c in result.checks() if c.name == name]
+    return check.status, check.detail
+
+
+@pytest.mark.parametrize("config", _with_gaps(ALL))
+def test_guard_reads_no_bad_kv(ci_results: dict[str, ConfigResult], config: str) -> None:
+    result = ci_results[config]
+    guard = result.totals["guard"]
+    assert guard.violations == 0, (result.violating_seeds["guard"], guard.examples[:5])
+
+
+@pytest.mark.parametrize("config", TARGETED)
+def test_stock_reads_bad_kv_in_targeted_configs(
+    ci_results: dict[str, ConfigResult], config: str
+) -> None:
+    assert ci_results[config].totals["stock"].violations > 0
+
+
+@pytest.mark.parametrize(
+    "check", ["guard hit tokens >= 99.9% of stock", "guard preemptions <= stock"]
+)
+@pytest.mark.parametrize("config", ALL)
+def test_guard_costs_no_hits_or_preemptions(
+    ci_results: dict[str, ConfigResult], config: str, check: str
+) -> None:
+    result = ci_results[config]
+    status, detail = _check(result, check)
+    assert status != FAIL, detail
+    if result.totals["stock"].bad_admissions == 0:
+        # Stock read only valid KV: guard and stock must decide alike.
+        assert status == OK, detail
+    else:
+        assert status in (OK, EXPLAINED), detail
+
+
+@pytest.mark.parametrize("config", ALL)
+def test_runs_drain_or_stall_on_stock_too(ci_results: dict[str, ConfigResult], config: str) -> None:
+    status, detail = _check(ci_results[config], "runs drain")
+    assert status != FAIL, detail
+
+
+@pytest.mark.parametrize("config", (ALL))
+def test_pr43569_is_measured_and_clean(ci_results: dict[str, ConfigResult], config: str) -> None:
+    result = ci_results[config]
+    pr = result.totals["pr43569"]
+    assert pr.steps > 0
+    assert pr.violations == 0, pr.examples[:5]
+    if CONFIGS[config].depth == 1:
+        # Nothing is in flight when schedule() runs: the two scopes coincide.
+        assert pr.rolled_back_in_flight == 0
+        assert pr.computed_tokens == result.totals["guard"].computed_tokens
+
+
+def test_pr43569_over_evicts_under_async_scheduling(ci_results: dict[str, ConfigResult]) -> None:
+    """The wider scope throws away entries of steps that will run: more work, more
+    preemptions than the guard, summed over the async configurations."""
+    guard = sum(ci_results[c].totals["guard"].preemptions for c in ASYNC)
+    pr = sum(ci_results[c].totals["pr43569"].preemptions for c in ASYNC)
+    in_flight = sum(ci_results[c].totals["pr43569"].rolled_back_in_flight for c in ASYNC)
+    assert in_flight > 0
+    assert pr > guard

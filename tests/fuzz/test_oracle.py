@@ -1,0 +1,51 @@
+"""The fuzzer's meters on top of the shadow-KV oracle, pinned on small known layouts."""
+
+from __future__ import annotations
+
+from vllm_prefix_guard.fuzz.runner import run_workload
+from vllm_prefix_guard.fuzz.workload import Arrive, Workload
+from vllm_prefix_guard.testing.factory import SchedulerSpec
+
+# The notes' deterministic zombie layout: C (and A on resume) hit A's block 8, which
+# A's withdrawn step registered but never wrote.
+E2 = Workload(
+    SchedulerSpec(num_blocks=20, policy="priority", long_prefill_token_threshold=64),
+    1,
+    (
+        Arrive(0, "D", ((1000, 16),), 3),
+        Arrive(0, "A", ((1, 160),), 4, priority=1),
+        Arrive(1, "B", ((2000, 120),), 4),
+        Arrive(3, "C", ((1, 160),), 4, priority=1),
+    ),
+)
+
+
+def test_hits_on_bad_kv_are_attributed() -> None:
+    stock, guard = run_workload(E2, "stock"), run_workload(E2, "guard")
+    # C's first admission hits 9 blocks; on stock one of them was never written.
+    assert (stock.hit_tokens, stock.invalid_hit_tokens) == (144, 16)
+    assert stock.bad_admissions >= 2  # C, and A resuming over its own zombie
+    assert guard.violations == 0
+    assert (guard.invalid_hit_tokens, guard.bad_admissions) == (0, 0)
+    # The guard recomputes the block stock skipped.
+    assert guard.computed_tokens == stock.computed_tokens + 16
+
+
+def test_steps_over_a_failed_load_are_discarded_not_violations() -> None:
+    """r1 shares r0's sync-loaded blocks in the step whose load fails; the next step,
+    already dispatched, reads KV r1 computed over them. vLLM drops both outputs once
+    the failure is reported, on stock and guarded alike."""
+    workload = Workload(
+        SchedulerSpec(
+            long_prefill_token_threshold=64, async_scheduling=True, kv_load_failure_policy="fail"
+        ),
+        2,
+        (
+            Arrive(0, "r0", ((1000, 51), (2000, 9)), 1, external_tokens=51, fail_load=True),
+            Arrive(0, "r1", ((1000, 51), (2000, 9)), 2),
+        ),
+    )
+    for mode in ("stock", "guard"):
+        result = run_workload(workload, mode)
+        assert result.violations == 0, result.examples
+        assert result.loaded_tokens == 48
