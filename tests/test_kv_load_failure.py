@@ -98,3 +98,50 @@ def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
     assert driver.violations == 0
     ledger = ledger_of(scheduler)
     assert ledger is not None and ledger.stats.rolled_back_kv_load_failure == 6
+
+
+def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
+    """Shrunk by the fuzzer (``everything-async``, vLLM 0.32): after a reset, r4's sync
+    load and r0's hit on it land in one step; the next step, already dispatched when the
+    failure is reported, preempts r0. r0's registrations computed over the invalid KV
+    must go although r0 no longer holds a block (stock: r0 resumes and reads them)."""
+    from vllm_prefix_guard.fuzz.runner import run_workload
+    from vllm_prefix_guard.fuzz.workload import Arrive, Reset, Workload
+    from vllm_prefix_guard.testing.factory import SchedulerSpec
+
+    workload = Workload(
+        spec=SchedulerSpec(
+            num_blocks=40,
+            max_model_len=4096,
+            policy="priority",
+            long_prefill_token_threshold=64,
+            async_scheduling=True,
+            kv_load_failure_policy="recompute",
+        ),
+        depth=2,
+        events=(
+            Arrive(0, "r0", prompt=((1000, 32), (2000, 66), (3000, 21)), max_tokens=23, priority=4),
+            Arrive(10, "r1", prompt=((4000, 15),), max_tokens=3),
+            Arrive(10, "r2", prompt=((1000, 32), (5000, 13)), max_tokens=4),
+            Arrive(10, "r3", prompt=((1000, 32), (6000, 192)), max_tokens=3, priority=2),
+            Arrive(
+                11,
+                "r4",
+                prompt=((1000, 32), (2000, 66), (7000, 46)),
+                max_tokens=9,
+                priority=3,
+                external_tokens=98,
+                fail_load=True,
+            ),
+            Arrive(11, "r5", prompt=((1000, 32), (8000, 73)), max_tokens=1, priority=1),
+            Arrive(12, "r6", prompt=((1000, 32), (6000, 192)), max_tokens=1),
+            Reset(13),
+        ),
+    )
+    result = run_workload(workload, mode)
+    if mode == "stock":
+        if not result.wrong_content:
+            pytest.skip("this shrunk schedule reaches the window on vLLM 0.32's scheduler only")
+        assert result.wrong_content > 0
+    else:
+        assert result.never_written == result.wrong_content == 0

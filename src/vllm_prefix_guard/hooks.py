@@ -278,6 +278,8 @@ def preempt_failed_load_sharers(
     in-flight output dropped, as ``reset_prefix_cache`` does), and its registrations from
     the failing step on, computed over the invalid KV, are rolled back.
     """
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
     failed = set().union(*undone.values())
     block_size = scheduler.block_size
     manager = scheduler.kv_cache_manager
@@ -289,6 +291,16 @@ def preempt_failed_load_sharers(
         block_ids = manager.get_block_ids(request.request_id)[0][:computed]
         if not failed.isdisjoint(block_ids):
             sharers.append(request)
+    # A reader preempted or finished since (a later step in flight did it) holds no
+    # blocks to look at; its prefix hashes tell whether it registered on top of the
+    # failed blocks' content. Conservative: at worst valid entries are dropped.
+    failed_hashes = {get_block_hash(key) for key in ledger.failed_keys}
+    ledger.failed_keys.clear()
+    running = {request.request_id for request in scheduler.running}
+    for request_id in ledger.requests_from(output) - undone.keys() - running:
+        request = scheduler.requests.get(request_id)
+        if request is not None and not failed_hashes.isdisjoint(request.block_hashes):
+            ledger.rollback_request_from(output, request_id)
     now = time.monotonic()
     for request in sharers:
         ledger.rollback_request_from(output, request.request_id)

@@ -72,6 +72,8 @@ class StepLedger:
         self._dispatched: dict[int, tuple[object, StepBucket]] = {}
         # Blocks rolled back while another request still held them (see hooks).
         self.contested_blocks: set[int] = set()
+        # Keys of the entries the last failed-load rollback removed (see hooks).
+        self.failed_keys: set[Any] = set()
         self._epoch = pool.guard_epoch
 
     # -- step lifecycle --------------------------------------------------------------
@@ -178,6 +180,9 @@ class StepLedger:
     ) -> dict[str, set[int]]:
         """Undo registrations whose KV failed to load in the step of ``output``.
 
+        The keys of the failed entries are kept in :attr:`failed_keys` for the hook that
+        looks for requests built on them.
+
         Returns:
             request id -> ids of the blocks whose registration was undone.
         """
@@ -195,6 +200,16 @@ class StepLedger:
                 for request_id, undone in affected.items():
                     self._undo_request(bucket, request_id, undone)
         return affected
+
+    def requests_from(self, output: object) -> set[str]:
+        """Requests with registrations in the step of ``output`` or any later step in flight."""
+        found = False
+        requests: set[str] = set()
+        for key, (_, bucket) in self._dispatched.items():
+            found = found or key == id(output)
+            if found:
+                requests.update(r for r in bucket.by_request if r is not None)
+        return requests
 
     def rollback_request_from(self, output: object, request_id: str) -> int:
         """Undo ``request_id``'s entries in the step of ``output`` and every later step in
@@ -225,6 +240,7 @@ class StepLedger:
                 continue
             failed = entries[first:]
             del entries[first:]
+            self.failed_keys.update(key for key, _ in failed)
             bucket.size -= len(failed)
             self.stats.uncommitted_entries -= len(failed)
             self.stats.rolled_back_kv_load_failure += self._undo(failed)

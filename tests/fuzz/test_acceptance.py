@@ -16,31 +16,13 @@ TARGETED = [name for name, config in CONFIGS.items() if config.targeted]
 ALL = list(CONFIGS)
 ASYNC = [name for name, config in CONFIGS.items() if config.depth > 1]
 
-#: Configurations where the fuzzer still finds the guard reading bad KV, and why. Not
-#: strict: the CI seeds hit the window on vLLM 0.32 but not on 0.33.
-KNOWN_GUARD_GAPS = {
-    "everything-async": (
-        "async scheduling with KV-load failures, aborts and resets mixed: a reader of a "
-        "block whose load failed can still read it in a step already in flight (open)"
-    ),
-}
-
-
-def _with_gaps(configs: list[str]) -> list[object]:
-    return [
-        pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_GUARD_GAPS[c], strict=False))
-        if c in KNOWN_GUARD_GAPS
-        else c
-        for c in configs
-    ]
-
 
 def _check(result: ConfigResult, name: str) -> tuple[str, str]:
     [check] = [c for c in result.checks() if c.name == name]
     return check.status, check.detail
 
 
-@pytest.mark.parametrize("config", _with_gaps(ALL))
+@pytest.mark.parametrize("config", ALL)
 def test_guard_reads_no_bad_kv(ci_results: dict[str, ConfigResult], config: str) -> None:
     result = ci_results[config]
     guard = result.totals["guard"]
