@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -41,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from results_io import environment, write_document
 
 COLUMNS = ("stock", "guard")
 AA_COLUMNS = ("stock", "stock#2")  # --aa: the noise floor of the same comparison
@@ -270,16 +271,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"columns": columns}
 
 
-def environment(vllm_version: str) -> dict[str, Any]:
-    return {
-        "vllm": vllm_version,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg()[0],
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="measured stock/guard pairs")
@@ -315,10 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{other} {second['median_tokens_per_s']:.1f} (x{second['tokens_per_s_ratio']:.3f}); "
         f"hit rate {reference} {first['hit_rate']}, {other} {second['hit_rate']}"
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(document, indent=1) + "\n")
-        print(f"wrote {args.out} ({document['seconds']} s)")
+    write_document(args.out, document)
     return 0
 
 

@@ -52,7 +52,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import pstats
 import random
 import statistics
@@ -64,6 +63,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from results_io import environment, write_document
 
 COLUMNS = ("stock", "guard", "pr43569")
 BLOCK_SIZE = 16
@@ -767,18 +768,10 @@ def run_instructions(
 # -- CLI -----------------------------------------------------------------------------------
 
 
-def environment() -> dict[str, Any]:
+def vllm_environment() -> dict[str, Any]:
     import vllm
 
-    return {
-        "vllm": vllm.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg()[0],
-        "executable": sys.executable,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return environment(vllm.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -829,15 +822,12 @@ def main(argv: list[str] | None = None) -> int:
         counts = run_instructions(cells, columns, args.warmup or 150, args.steps or 15)
         document = {
             "benchmark": "scheduler-instructions",
-            "environment": environment(),
+            "environment": vllm_environment(),
             "columns": list(columns),
             "seconds": round(time.monotonic() - started, 1),
             "cells": counts,
         }
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(document, indent=1) + "\n")
-            print(f"wrote {args.out} ({document['seconds']} s)")
+        write_document(args.out, document)
         return 0
     summaries = []
     for cell in cells:
@@ -857,15 +847,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     document = {
         "benchmark": "scheduler",
-        "environment": environment(),
+        "environment": vllm_environment(),
         "columns": list(columns),
         "seconds": round(time.monotonic() - started, 1),
         "cells": summaries,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(document, indent=1) + "\n")
-        print(f"wrote {args.out} ({document['seconds']} s)")
+    write_document(args.out, document)
     return 0
 
 

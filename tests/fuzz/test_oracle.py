@@ -49,3 +49,24 @@ def test_steps_over_a_failed_load_are_discarded_not_violations() -> None:
         result = run_workload(workload, mode)
         assert result.violations == 0, result.examples
         assert result.loaded_tokens == 48
+
+
+def test_a_reported_block_with_right_content_is_a_clean_read() -> None:
+    """A reported invalid block id can name a block that was freed and rewritten since
+    (reused by a load that succeeded): reading right content there is no loss, so the
+    reader is not tainted; wrong content there is unclean but vLLM's known loss."""
+    from vllm_prefix_guard.fuzz.oracle import FuzzKV
+    from vllm_prefix_guard.testing.shadow_kv import ScheduledRead, TokenModel
+
+    kv = FuzzKV(block_size=4)
+    model = TokenModel(list(range(8)))
+    for position in range(8):
+        kv.write(7 + position // 4, position % 4, model.fingerprint(position))
+    read = ScheduledRead("r", model, start=8, num_tokens=1, block_ids=[7, 8, 9], samples=True)
+    assert kv.check_reads(0, read, skip_blocks={8})
+    assert kv.discarded_reads == 0
+    kv.write(8, 1, ~model.fingerprint(5))
+    assert not kv.check_reads(1, read, skip_blocks={8})
+    assert (kv.counts.total(), kv.discarded_reads) == (0, 1)  # known loss, not a violation
+    assert not kv.check_reads(2, read, skip_blocks=set())
+    assert kv.counts.total() == 1

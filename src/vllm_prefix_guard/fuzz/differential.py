@@ -95,9 +95,7 @@ class ConfigResult:
         for mode in ("guard", "pr43569"):
             if mode in totals:
                 bad = totals[mode].violations
-                detail = f"{bad} bad reads"
-                if bad:
-                    detail += f" (seeds {', '.join(map(str, self.violating_seeds[mode]))})"
+                detail = f"{bad} bad reads" + _seeds_note(self.violating_seeds[mode])
                 checks.append(Check(f"{mode} reads no bad KV", OK if bad == 0 else FAIL, detail))
         if "stock" not in totals:
             return [*checks, self._drain_check()]
@@ -108,7 +106,8 @@ class ConfigResult:
                 Check(
                     "stock reads bad KV",
                     OK if stock.violations else FAIL,
-                    f"{stock.violations} bad reads in {exposed} of {len(self.seeds)} seeds",
+                    f"{stock.violations} bad reads in {exposed} of {len(self.seeds)} seeds"
+                    + _seeds_note(self.violating_seeds["stock"]),
                 )
             )
         if "guard" in totals:
@@ -161,6 +160,14 @@ def _guard_vs_stock(guard: RunResult, stock: RunResult) -> list[Check]:
             pre_detail,
         ),
     ]
+
+
+def _seeds_note(seeds: list[int], shown: int = 8) -> str:
+    """`` (seeds 0, 3, ...)``: the seeds to replay, or nothing when none read bad KV."""
+    if not seeds:
+        return ""
+    more = f", ... {len(seeds) - shown} more" if len(seeds) > shown else ""
+    return f" (seeds {', '.join(map(str, seeds[:shown]))}{more})"
 
 
 def _ratio(a: int, b: int) -> str:

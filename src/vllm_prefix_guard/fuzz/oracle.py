@@ -15,11 +15,14 @@
   just observed;
 - *discarded reads*: a step that holds a block whose KV load failed (reported by that
   step, or by an earlier one after this step was dispatched) is not checked for the
-  requests holding such a block. When the failure is reported vLLM finds those
-  requests by block id (``_update_requests_with_invalid_blocks``), truncates or fails
-  them, and drops their output of every step dispatched before; their reads there,
-  including of KV they computed over the invalid blocks, are vLLM's known loss, alike
-  with and without the guard. Later steps are checked as usual.
+  requests holding such a block, if they read wrong content. When the failure is
+  reported vLLM finds those requests by block id (``_update_requests_with_invalid_blocks``),
+  truncates or fails them, and drops their output of every step dispatched before;
+  their reads there, including of KV they computed over the invalid blocks, are vLLM's
+  known loss, alike with and without the guard. A read of right content is checked as
+  usual: a reported id can name a block that was freed and rewritten since (say, by a
+  load that succeeded), and reading it is then no loss at all. Later steps are checked
+  as usual.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ class FuzzKV(ShadowKV):
     def check_reads(
         self, step: int, read: ScheduledRead, skip_blocks: set[int], record: bool = True
     ) -> bool:
-        if skip_blocks and not skip_blocks.isdisjoint(
-            read.block_ids[: -(-read.start // self.block_size)]
+        if (
+            skip_blocks
+            and not skip_blocks.isdisjoint(read.block_ids[: -(-read.start // self.block_size)])
+            and not super().check_reads(step, read, set(), record=False)
         ):
             if record:
                 self.admission_reads.pop(id(read), None)

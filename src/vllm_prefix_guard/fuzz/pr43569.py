@@ -45,9 +45,10 @@ def adopt_pr43569_scope(ledger: StepLedger) -> InFlightRollbacks:
         open_bucket_only(request_id)
         undone = 0
         for _, bucket in self._dispatched.values():
-            entries = bucket.pop_request(request_id)
+            # Unregister, but keep the entries: a KV-load failure reported later for
+            # this step must still find them (see the module docstring).
+            entries = bucket.by_request.get(request_id)
             if entries:
-                self.stats.uncommitted_entries -= len(entries)
                 undone += self._undo(entries)
         if undone:
             self.stats.rolled_back_preempted += undone

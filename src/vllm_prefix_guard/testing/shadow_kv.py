@@ -107,8 +107,10 @@ class ShadowKV:
     ) -> bool:
         """Check positions ``[0, read.start)``: the KV this request attends over.
 
-        Reads of ``skip_blocks`` (this step's failed loads: vLLM is told and discards the
-        affected outputs) are not violations, but still make the read unclean.
+        Wrong content in ``skip_blocks`` (failed loads vLLM was told of: it discards the
+        affected outputs) is not a violation, but still makes the read unclean. Right
+        content there is a clean read: the id may name a block rewritten since, e.g.
+        reused by a load that succeeded.
 
         Returns:
             Whether every read position held the expected content.
@@ -123,9 +125,7 @@ class ShadowKV:
             seen = self._verified.get(key)
             if seen is not None and seen[0] == block_id and seen[1] == version and seen[2] >= upto:
                 continue
-            if block_id in skip_blocks:
-                clean_read = False
-                continue
+            skipped = block_id in skip_blocks
             slots = self.slots.get(block_id)
             clean = True
             for offset in range(upto):
@@ -134,7 +134,7 @@ class ShadowKV:
                 if held == read.model.fingerprint(position):
                     continue
                 clean = False
-                if not record:
+                if skipped or not record:
                     break
                 kind = NEVER_WRITTEN if held is None else WRONG_CONTENT
                 self.counts[kind] += 1
