@@ -768,10 +768,19 @@ def run_instructions(
 # -- CLI -----------------------------------------------------------------------------------
 
 
-def vllm_environment() -> dict[str, Any]:
+def write_results(
+    out: Path | None, benchmark: str, columns: Iterable[str], started: float, cells: Any
+) -> None:
     import vllm
 
-    return environment(vllm.__version__)
+    document = {
+        "benchmark": benchmark,
+        "environment": environment(vllm.__version__),
+        "columns": list(columns),
+        "seconds": round(time.monotonic() - started, 1),
+        "cells": cells,
+    }
+    write_document(out, document)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -820,14 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.cells:
             cells = [c for c in cells if c.name == "256-fcfs-nopressure-sync"] or cells[:1]
         counts = run_instructions(cells, columns, args.warmup or 150, args.steps or 15)
-        document = {
-            "benchmark": "scheduler-instructions",
-            "environment": vllm_environment(),
-            "columns": list(columns),
-            "seconds": round(time.monotonic() - started, 1),
-            "cells": counts,
-        }
-        write_document(args.out, document)
+        write_results(args.out, "scheduler-instructions", columns, started, counts)
         return 0
     summaries = []
     for cell in cells:
@@ -845,14 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         summaries.append(run_cell(cell, plan, columns))
     if args.profile:
         return 0
-    document = {
-        "benchmark": "scheduler",
-        "environment": vllm_environment(),
-        "columns": list(columns),
-        "seconds": round(time.monotonic() - started, 1),
-        "cells": summaries,
-    }
-    write_document(args.out, document)
+    write_results(args.out, "scheduler", columns, started, summaries)
     return 0
 
 
