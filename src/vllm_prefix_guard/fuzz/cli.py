@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_vllm()
     from vllm_prefix_guard import plugin, targets
     from vllm_prefix_guard.fuzz.differential import run_matrix
-    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table, to_json
+    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table, summary_table, to_json
     from vllm_prefix_guard.fuzz.runner import MODES
     from vllm_prefix_guard.pool import GuardUnsupportedError
 
@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(to_json(results, environment, reproducers), indent=2))
     else:
+        print()
+        print(summary_table(results))
         print()
         print(markdown_table(results))
         print()

@@ -16,13 +16,16 @@
 - *discarded reads*: a step that holds a block whose KV load failed (reported by that
   step, or by an earlier one after this step was dispatched) is not checked for the
   requests holding such a block, if they read wrong content. When the failure is
-  reported vLLM finds those requests by block id (``_update_requests_with_invalid_blocks``),
-  truncates or fails them, and drops their output of every step dispatched before;
-  their reads there, including of KV they computed over the invalid blocks, are vLLM's
-  known loss, alike with and without the guard. A read of right content is checked as
-  usual: a reported id can name a block that was freed and rewritten since (say, by a
-  load that succeeded), and reading it is then no loss at all. Later steps are checked
-  as usual.
+  reported vLLM finds those requests by block id
+  (``_update_requests_with_invalid_blocks``), truncates or fails them and skips their
+  output of the failing step; their reads there, and in steps dispatched before the
+  report (including of KV they computed over the invalid blocks), are vLLM's known
+  loss, alike with and without the guard, and not prefix-cache hits. (Under async
+  scheduling vLLM keeps the token such a later in-flight step sampled: a vLLM bug
+  outside prefix caching, not counted here; ``runner.awaits_dropped_output`` is its
+  liveness twin.) A read of right content is checked as usual: a reported id can name
+  a block that was freed and rewritten since (say, by a load that succeeded), and
+  reading it is then no loss at all. Later steps are checked as usual.
 """
 
 from __future__ import annotations

@@ -56,6 +56,64 @@ def markdown_table(results: list[ConfigResult]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_COLUMNS = (
+    "configuration",
+    "steps (per mode)",
+    "bad reads: stock / guard / pr43569",
+    "guard hit tokens vs stock (vs stock's valid hits)",
+    "preemptions: stock / guard / pr43569",
+    "pr43569 rolled back in flight",
+    "stalled runs: stock / guard / pr43569",
+    "checks",
+)
+
+
+def summary_table(results: list[ConfigResult]) -> str:
+    """One row per configuration: the figures the acceptance checks compare."""
+    lines = [
+        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+        "|---|" + "---:|" * (len(SUMMARY_COLUMNS) - 2) + "---|",
+    ]
+    for result in results:
+        totals = result.totals
+        runs = [totals[m] for m in ("stock", "guard", "pr43569") if m in totals]
+        hits = "-"
+        if "stock" in totals and "guard" in totals:
+            stock, guard = totals["stock"], totals["guard"]
+            valid = stock.hit_tokens - stock.invalid_hit_tokens
+            hits = f"{_percent(guard.hit_tokens, stock.hit_tokens)}"
+            if stock.invalid_hit_tokens:
+                hits += f" ({_percent(guard.hit_tokens, valid)})"
+        checks = result.checks()
+        failed = [c.name for c in checks if not c.ok]
+        explained = sum(c.status == "explained" for c in checks)
+        verdict = "FAIL: " + ", ".join(failed) if failed else "ok"
+        if explained and not failed:
+            verdict += f" ({explained} explained)"
+        name = result.config.name + (" (targeted)" if result.config.targeted else "")
+        pr = totals.get("pr43569")
+        cells = [
+            name,
+            str(min(run.steps for run in runs)),
+            _per_mode(runs, "violations"),
+            hits,
+            _per_mode(runs, "preemptions"),
+            str(pr.rolled_back_in_flight) if pr else "-",
+            _per_mode(runs, "stalled_runs"),
+            verdict,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _per_mode(runs: list[RunResult], name: str) -> str:
+    return " / ".join(str(getattr(run, name)) for run in runs)
+
+
+def _percent(a: int, b: int) -> str:
+    return f"{a / b:.2%}" if b else "n/a"
+
+
 def checks_text(results: list[ConfigResult]) -> str:
     lines = []
     for result in results:

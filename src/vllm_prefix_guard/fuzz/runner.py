@@ -77,6 +77,8 @@ class RunResult:
     # many requests were left (a liveness finding, not a KV one).
     stalled_runs: int = 0
     stalled_requests: int = 0
+    # Of those, requests stuck on vLLM's dropped-output bug (see awaits_dropped_output).
+    stalled_on_dropped_output: int = 0
     # Engine iteration whose step read bad KV first (None: no violation).
     first_violation_iteration: int | None = None
     # Up to the oracle's first 100 bad reads: (step, request, position, block, kind).
@@ -159,10 +161,29 @@ def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = Fal
         result = _result(mode, driver, requests, ledger, in_flight, first_violation)
         result.resets_refused = resets_refused
         if iteration > limit:
+            left = [*scheduler.running, *scheduler.waiting]
             result.stalled_runs = 1
-            result.stalled_requests = len(scheduler.running) + len(scheduler.waiting)
+            result.stalled_requests = len(left)
+            result.stalled_on_dropped_output = sum(map(awaits_dropped_output, left))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def awaits_dropped_output(request: Any) -> bool:
+    """Whether ``request`` is stuck on a vLLM liveness bug, with or without the guard.
+
+    Under async scheduling ``schedule()`` adds an output placeholder for each sampling
+    request. When a step reports a failed KV load, ``update_from_output`` truncates the
+    affected request and skips its output (``failed_kv_load_req_ids``) without taking
+    that placeholder back. Traced on stock vLLM 0.32: a 159-token prompt whose load
+    fails samples in step N (1 placeholder), decodes in step N+1 (2), is truncated to 32
+    computed tokens when N reports (still 2), recomputes, and ends RUNNING with every
+    token computed and 1 placeholder left: it waits for a token that never comes and is
+    never scheduled again.
+    """
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.RUNNING and request.num_output_placeholders > 0
 
 
 def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int) -> Any:

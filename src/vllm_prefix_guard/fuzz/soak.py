@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_vllm()
     from vllm_prefix_guard import targets
-    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table
+    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table, summary_table
 
     modes = tuple(m.strip() for m in args.modes.split(","))
     configs = [CONFIGS[n] for n in args.config] if args.config else list(CONFIGS.values())
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{os.cpu_count()} CPUs, {args.jobs} job(s), "
             f"{time.monotonic() - started:.0f} s in total.\n"
             f"Command: `{command.strip()}`",
+            summary_table(results),
             markdown_table(results),
             timing_table(results),
             "```\n" + checks_text(results) + "\n```",
