@@ -115,17 +115,20 @@ class ConfigResult:
         return [*checks, self._drain_check()]
 
     def _drain_check(self) -> Check:
-        """Every run drained, or every request left is stuck on vLLM's own dropped-output
-        bug (:func:`~vllm_prefix_guard.fuzz.runner.awaits_dropped_output`), which stock
-        hits too; which seeds hit it is chaotic once the modes' schedules diverge, so the
-        counts are reported, not compared."""
+        """Every run drained, or drained once the requests wedged on vLLM's own
+        dropped-output bug (:func:`~vllm_prefix_guard.fuzz.runner.awaits_dropped_output`),
+        which stock hits too, were aborted; which seeds hit it is chaotic once the modes'
+        schedules diverge, so the counts are reported, not compared."""
         totals = self.totals.values()
+        stalled = any(run.stalled_runs for run in totals)
+        wedged = any(run.wedged_runs for run in totals)
         detail = ", ".join(f"{run.mode} {run.stalled_runs}" for run in totals) + " stalled runs"
-        left = sum(run.stalled_requests for run in totals)
-        vllm_bug = sum(run.stalled_on_dropped_output for run in totals)
-        if left:
-            detail += f"; {vllm_bug} of {left} requests left await an output vLLM dropped"
-        return Check("runs drain", _status(left == 0, vllm_bug == left), detail)
+        if wedged:
+            detail += "; wedged by vLLM's dropped-output bug, released, drained: " + ", ".join(
+                f"{run.mode} {run.wedged_runs} ({run.released_requests} aborted)" for run in totals
+            )
+        status = FAIL if stalled else EXPLAINED if wedged else OK
+        return Check("runs drain", status, detail)
 
     @property
     def ok(self) -> bool:

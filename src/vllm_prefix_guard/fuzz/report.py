@@ -63,7 +63,7 @@ SUMMARY_COLUMNS = (
     "guard hit tokens vs stock (vs stock's valid hits)",
     "preemptions: stock / guard / pr43569",
     "pr43569 rolled back in flight",
-    "stalled runs: stock / guard / pr43569",
+    "runs wedged by vLLM (released): stock / guard / pr43569",
     "checks",
 )
 
@@ -99,7 +99,7 @@ def summary_table(results: list[ConfigResult]) -> str:
             hits,
             _per_mode(runs, "preemptions"),
             str(pr.rolled_back_in_flight) if pr else "-",
-            _per_mode(runs, "stalled_runs"),
+            _per_mode(runs, "wedged_runs"),
             verdict,
         ]
         lines.append("| " + " | ".join(cells) + " |")
