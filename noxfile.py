@@ -22,6 +22,8 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's scheduling order follows the hash seed; fuzz runs must replay exactly.
+    "PYTHONHASHSEED": "0",
 }
 
 

@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    if argv is None and args.command == "fuzz" and not args.list:
+        from vllm_prefix_guard.fuzz.hash_seed import reexec_with_fixed_hash_seed
+
+        reexec_with_fixed_hash_seed()
     result: int = args.func(args)
     return result
 

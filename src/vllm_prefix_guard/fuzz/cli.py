@@ -136,6 +136,7 @@ def _environment(plugin: Any, targets: Any) -> dict[str, Any]:
         "vllm_version": targets.vllm_version(),
         "upstream_fix": targets.upstream_fix(),
         "guard_applied_at_start": plugin.is_applied(),
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED", "random"),
     }
 
 

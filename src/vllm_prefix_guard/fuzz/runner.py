@@ -25,7 +25,6 @@ KV that was never written (or holds another prefix) is counted. Metrics (all exa
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -130,11 +129,6 @@ def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = Fal
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     started = time.perf_counter()
-    # A run must be a function of its workload alone, but vLLM's schedule can depend on
-    # when the cyclic garbage of earlier runs in the process is collected (seen on 0.32:
-    # one priority-phased-async seed preempted differently after other runs), so start
-    # from a collected heap.
-    gc.collect()
     with guard_state(mode != "stock"):
         scheduler = make_scheduler(workload.spec)
         ledger = ledger_of(scheduler)

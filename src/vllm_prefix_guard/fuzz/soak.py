@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from vllm_prefix_guard.fuzz.cli import quiet_vllm
 from vllm_prefix_guard.fuzz.configs import CONFIGS, FuzzConfig
 from vllm_prefix_guard.fuzz.differential import ConfigResult, run_seed
+from vllm_prefix_guard.fuzz.hash_seed import reexec_with_fixed_hash_seed
 from vllm_prefix_guard.fuzz.runner import MODES
 
 
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="configurations run in parallel")
     parser.add_argument("--out", help="also write the markdown report here")
     args = parser.parse_args(argv)
+    if argv is None:
+        reexec_with_fixed_hash_seed()
     quiet_vllm()
     from vllm_prefix_guard import targets
     from vllm_prefix_guard.fuzz.report import checks_text, markdown_table, summary_table
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = "\n\n".join(
         [
-            f"Soak: vLLM {targets.vllm_version()}, Python {platform.python_version()}, "
+            f"Soak: vLLM {targets.vllm_version()}, Python {platform.python_version()} "
+            f"(PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', 'random')}), "
             f"{os.cpu_count()} CPUs, {args.jobs} job(s), "
             f"{time.monotonic() - started:.0f} s in total.\n"
             f"Command: `{command.strip()}`",
