@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from vllm_prefix_guard.fuzz.configs import CONFIGS, FuzzConfig
+from vllm_prefix_guard.fuzz.hash_seed import current_hash_seed
 
 EXIT_OK, EXIT_GUARD_VIOLATION, EXIT_UNSUPPORTED = 0, 1, 2
 
@@ -136,7 +137,7 @@ def _environment(plugin: Any, targets: Any) -> dict[str, Any]:
         "vllm_version": targets.vllm_version(),
         "upstream_fix": targets.upstream_fix(),
         "guard_applied_at_start": plugin.is_applied(),
-        "python_hash_seed": os.environ.get("PYTHONHASHSEED", "random"),
+        "python_hash_seed": current_hash_seed(),
     }
 
 

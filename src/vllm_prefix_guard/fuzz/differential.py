@@ -136,13 +136,13 @@ class ConfigResult:
 
 
 def _guard_vs_stock(guard: RunResult, stock: RunResult) -> list[Check]:
-    valid = stock.hit_tokens - stock.invalid_hit_tokens
-    ratio = _ratio(guard.hit_tokens, stock.hit_tokens)
+    valid = stock.valid_hit_tokens
+    ratio = percent(guard.hit_tokens, stock.hit_tokens)
     hits_detail = f"{guard.hit_tokens} vs {stock.hit_tokens} ({ratio})"
     if stock.invalid_hit_tokens:
         hits_detail += (
             f"; stock's include {stock.invalid_hit_tokens} on bad KV, "
-            f"vs its {valid} valid hits: {_ratio(guard.hit_tokens, valid)}"
+            f"vs its {valid} valid hits: {percent(guard.hit_tokens, valid)}"
         )
     extra = guard.preemptions - stock.preemptions
     explainable = stock.bad_admissions + guard.dependents_preempted
@@ -177,8 +177,9 @@ def _seeds_note(seeds: list[int], shown: int = 8) -> str:
     return f" (seeds {', '.join(map(str, seeds[:shown]))}{more})"
 
 
-def _ratio(a: int, b: int) -> str:
-    return f"{a / b:.3%}" if b else "n/a"
+def percent(a: int, b: int, digits: int = 3) -> str:
+    """``a`` as a percentage of ``b``, or ``n/a`` when ``b`` is 0."""
+    return f"{a / b:.{digits}%}" if b else "n/a"
 
 
 ProgressFn = Callable[[FuzzConfig, int, dict[str, RunResult]], None]

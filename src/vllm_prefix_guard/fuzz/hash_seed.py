@@ -14,8 +14,13 @@ import sys
 DEFAULT_HASH_SEED = "0"
 
 
+def current_hash_seed() -> str:
+    """``PYTHONHASHSEED`` as this process has it (``random`` when unset)."""
+    return os.environ.get("PYTHONHASHSEED", "random")
+
+
 def hash_seed_is_fixed() -> bool:
-    return os.environ.get("PYTHONHASHSEED", "random") != "random"
+    return current_hash_seed() != "random"
 
 
 def reexec_with_fixed_hash_seed() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_prefix_guard.fuzz.differential import ConfigResult
+from vllm_prefix_guard.fuzz.differential import EXPLAINED, ConfigResult, percent
 from vllm_prefix_guard.fuzz.runner import RunResult
 
 COLUMNS = (
@@ -80,13 +80,12 @@ def summary_table(results: list[ConfigResult]) -> str:
         hits = "-"
         if "stock" in totals and "guard" in totals:
             stock, guard = totals["stock"], totals["guard"]
-            valid = stock.hit_tokens - stock.invalid_hit_tokens
-            hits = f"{_percent(guard.hit_tokens, stock.hit_tokens)}"
+            hits = percent(guard.hit_tokens, stock.hit_tokens, digits=2)
             if stock.invalid_hit_tokens:
-                hits += f" ({_percent(guard.hit_tokens, valid)})"
+                hits += f" ({percent(guard.hit_tokens, stock.valid_hit_tokens, digits=2)})"
         checks = result.checks()
         failed = [c.name for c in checks if not c.ok]
-        explained = sum(c.status == "explained" for c in checks)
+        explained = sum(c.status == EXPLAINED for c in checks)
         verdict = "FAIL: " + ", ".join(failed) if failed else "ok"
         if explained and not failed:
             verdict += f" ({explained} explained)"
@@ -108,10 +107,6 @@ def summary_table(results: list[ConfigResult]) -> str:
 
 def _per_mode(runs: list[RunResult], name: str) -> str:
     return " / ".join(str(getattr(run, name)) for run in runs)
-
-
-def _percent(a: int, b: int) -> str:
-    return f"{a / b:.2%}" if b else "n/a"
 
 
 def checks_text(results: list[ConfigResult]) -> str:

@@ -91,6 +91,11 @@ class RunResult:
     def violations(self) -> int:
         return self.never_written + self.wrong_content
 
+    @property
+    def valid_hit_tokens(self) -> int:
+        """Hit tokens on KV that held the right content (stock's can include others)."""
+        return self.hit_tokens - self.invalid_hit_tokens
+
 
 @contextmanager
 def guard_state(on: bool) -> Iterator[None]:

@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from vllm_prefix_guard.fuzz.cli import quiet_vllm
 from vllm_prefix_guard.fuzz.configs import CONFIGS, FuzzConfig
 from vllm_prefix_guard.fuzz.differential import ConfigResult, run_seed
-from vllm_prefix_guard.fuzz.hash_seed import reexec_with_fixed_hash_seed
+from vllm_prefix_guard.fuzz.hash_seed import current_hash_seed, reexec_with_fixed_hash_seed
 from vllm_prefix_guard.fuzz.runner import MODES
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n\n".join(
         [
             f"Soak: vLLM {targets.vllm_version()}, Python {platform.python_version()} "
-            f"(PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', 'random')}), "
+            f"(PYTHONHASHSEED={current_hash_seed()}), "
             f"{os.cpu_count()} CPUs, {args.jobs} job(s), "
             f"{time.monotonic() - started:.0f} s in total.\n"
             f"Command: `{command.strip()}`",
