@@ -93,7 +93,11 @@ def demo(session: nox.Session) -> None:
     no-prefix-cache reference; prints a report and fails on any mismatch."""
     install_vllm(session, "0.32")
     session.run(
-        "python", "-m", "vllm_prefix_guard.demo", *session.posargs, env=cache_env(session, "0.32")
+        "python",
+        "-m",
+        "guard_demo",
+        *session.posargs,
+        env={**cache_env(session, "0.32"), "PYTHONPATH": "examples"},
     )
 
 
@@ -105,7 +109,7 @@ def soak(session: nox.Session, version: str) -> None:
     session.run(
         "python",
         "-m",
-        "vllm_prefix_guard.fuzz.soak",
+        "vllm_prefix_guard.diagnostics.fuzz.soak",
         *session.posargs,
         env=cache_env(session, version),
     )

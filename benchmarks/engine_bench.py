@@ -1,7 +1,7 @@
 """Engine-level A/B on CPU: output tokens/s and prefix-cache hit rate, stock vs guard.
 
 Two worker processes each build one offline ``vllm.LLM`` on the project's tiny Llama
-(``vllm_prefix_guard.tiny_model``), in-process engine core, CPU KV cache:
+(``guard_demo.tiny_model``), in-process engine core, CPU KV cache:
 
 ``stock``  ``VLLM_PREFIX_GUARD=0``: the plugin entry point loads and applies nothing;
 ``guard``  ``VLLM_PREFIX_GUARD=1``: the entry point applies the guard before the engine
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(workload, args.model_dir)
 
-    from vllm_prefix_guard.tiny_model import default_model_dir, generate_tiny_model
+    from guard_demo.tiny_model import default_model_dir, generate_tiny_model
 
     model_dir = generate_tiny_model(args.model_dir or default_model_dir())
     started = time.monotonic()

@@ -325,7 +325,7 @@ class Lane:
 
     def __init__(self, cell: Cell, column: str) -> None:
         from vllm_prefix_guard import hooks
-        from vllm_prefix_guard.testing.factory import make_scheduler
+        from vllm_prefix_guard.diagnostics.factory import make_scheduler
 
         self.cell, self.column = cell, column
         select(column)
@@ -338,7 +338,7 @@ class Lane:
         else:
             assert self.ledger is not None, "guarded scheduler without a ledger"
             if mode_of(column) == "pr43569":
-                from vllm_prefix_guard.fuzz.pr43569 import adopt_pr43569_scope
+                from vllm_prefix_guard.diagnostics.fuzz.pr43569 import adopt_pr43569_scope
 
                 self.in_flight_rollbacks = adopt_pr43569_scope(self.ledger)
         self.runner = FakeRunner(self.scheduler)
@@ -368,7 +368,7 @@ class Lane:
         return not self.in_flight and not self.scheduler.has_requests()
 
     def _top_up(self) -> None:
-        from vllm_prefix_guard.testing.factory import make_request
+        from vllm_prefix_guard.diagnostics.factory import make_request
 
         scheduler = self.scheduler
         while len(scheduler.requests) < self.cell.backlog:
@@ -483,7 +483,7 @@ class Lane:
         }
         ledger = self.ledger
         if ledger is not None:
-            stats = ledger.stats.as_dict()
+            stats = ledger.counters()
             bound = self.cell.depth * self.max_registrations_per_step
             out["ledger"] = {
                 **stats,

@@ -1,4 +1,4 @@
-"""``vllm-prefix-guard doctor``: what an operator runs to see the guard will apply."""
+"""``vllm-prefix-guard``: what an operator runs to see the guard will apply."""
 
 from __future__ import annotations
 
@@ -6,23 +6,58 @@ import json
 
 import pytest
 
-from vllm_prefix_guard import plugin
+from vllm_prefix_guard import __version__, plugin
 from vllm_prefix_guard.cli import main
 
 
-def test_doctor_passes_and_self_test_shows_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--self-test", "--json"]) == 0
-    checks = {c["check"]: c for c in json.loads(capsys.readouterr().out)}
-    assert checks["entry point registered"]["ok"]
+def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, dict]]:
+    status = main(["doctor", "--json", *args])
+    return status, {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+
+
+def test_doctor_passes_and_self_test_shows_the_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    status, checks = doctor_json(capsys, "--self-test")
+    assert status == 0
+    assert checks["entry point"]["ok"]
+    assert checks["vllm-prefix-guard"]["detail"] == __version__
+    assert checks["guard"]["detail"].startswith("ON for a vLLM server")
     self_test = checks["self-test (priority zombie layout)"]
     assert self_test["ok"] and "guarded wrong reads=0" in self_test["detail"]
     assert "stock wrong reads=0" not in self_test["detail"]
     assert not plugin.is_applied()  # doctor leaves the process as it found it
 
 
-def test_doctor_flags_a_bad_setting(
+def test_doctor_says_off_plainly_when_the_variable_is_unset(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    status, checks = doctor_json(capsys)
+    assert status == 0
+    assert checks["guard"]["status"] == "info"
+    assert checks["guard"]["detail"].startswith("OFF for a vLLM server")
+    assert "VLLM_PREFIX_GUARD=1" in checks["guard"]["detail"]
+
+
+def test_doctor_flags_a_bad_setting_and_says_why_the_self_test_was_skipped(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(plugin.ENV_VAR, "maybe")
-    assert main(["doctor"]) == 1
-    assert "[FAIL] VLLM_PREFIX_GUARD valid" in capsys.readouterr().out
+    assert main(["doctor", "--self-test"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] VLLM_PREFIX_GUARD: VLLM_PREFIX_GUARD='maybe' is not understood" in out
+    assert "[skip] self-test: not run: 2 check(s) above failed" in out
+
+
+def test_version_and_plain_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vllm-prefix-guard {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "``" not in help_text and ":mod:" not in help_text
+    assert "Exit status:" in help_text and "doctor" in help_text and "fuzz" in help_text

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT, Driver
 from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT, Driver
 
 PROMPT = list(range(1, 65))  # 4 blocks; the connector holds the first 3
 
@@ -105,9 +105,9 @@ def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
     load and r0's hit on it land in one step; the next step, already dispatched when the
     failure is reported, preempts r0. r0's registrations computed over the invalid KV
     must go although r0 no longer holds a block (stock: r0 resumes and reads them)."""
-    from vllm_prefix_guard.fuzz.runner import run_workload
-    from vllm_prefix_guard.fuzz.workload import Arrive, Reset, Workload
-    from vllm_prefix_guard.testing.factory import SchedulerSpec
+    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+    from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+    from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Reset, Workload
 
     workload = Workload(
         spec=SchedulerSpec(

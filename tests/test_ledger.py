@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.hooks import ledger_of
 from vllm_prefix_guard.ledger import StepLedger
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import Driver
 
 
 def guarded_driver(**spec: Any) -> tuple[Driver, StepLedger]:

@@ -13,14 +13,15 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_prefix_guard import plugin, targets
+from vllm_prefix_guard import __version__, plugin, targets
+from vllm_prefix_guard.diagnostics.factory import make_scheduler
+from vllm_prefix_guard.errors import GuardConfigError, GuardUnsupportedError
 from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.plugin import ENV_VAR, GuardConfigError
-from vllm_prefix_guard.pool import GuardUnsupportedError
-from vllm_prefix_guard.testing.factory import make_scheduler
+from vllm_prefix_guard.log import LOGGER_NAME
+from vllm_prefix_guard.plugin import ENV_VAR
 
 STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
-PATCHED = {t.qualname for t in targets.SCHEDULER_TARGETS} | {"KVCacheCoordinator.__setattr__"}
+PATCHED = {t.path for t in targets.SCHEDULER_HOOKS} | {"KVCacheCoordinator.__setattr__"}
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def guard_log() -> Iterator[list[str]]:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger(plugin.LOGGER_NAME)
+    log = logging.getLogger(LOGGER_NAME)
     log.addHandler(handler)
     old_level = log.level
     log.setLevel(logging.INFO)
@@ -76,6 +77,7 @@ def test_register_is_idempotent_and_logs_once_per_target(
     patched_lines = [line for line in guard_log if "patched" in line]
     assert len(patched_lines) == len(PATCHED)
     assert all(f"vLLM {vllm.__version__}" in line for line in patched_lines)
+    assert all(line.startswith(f"vllm-prefix-guard {__version__}: ") for line in patched_lines)
 
 
 def test_concurrent_registration_patches_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,7 +184,7 @@ def test_fresh_process_needs_only_the_environment() -> None:
         "vllm.plugins.load_general_plugins()\n"
         "from vllm_prefix_guard import plugin\n"
         "from vllm_prefix_guard.hooks import ledger_of\n"
-        "from vllm_prefix_guard.testing.factory import make_scheduler\n"
+        "from vllm_prefix_guard.diagnostics.factory import make_scheduler\n"
         "assert plugin.is_applied(), 'guard not applied'\n"
         "assert ledger_of(make_scheduler()) is not None, 'no ledger'\n"
         "print('guarded')\n"
@@ -195,15 +197,6 @@ def test_fresh_process_needs_only_the_environment() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "guarded" in result.stdout
-    assert "vllm-prefix-guard: patched Scheduler.schedule" in result.stdout + result.stderr
-
-
-def test_scheduler_without_needed_manager_state_fails_at_construction(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    plugin.apply()
-    monkeypatch.delattr(KVCacheManager, "get_block_ids")
-    with pytest.raises(GuardUnsupportedError, match=r"KVCacheManager\.get_block_ids missing"):
-        make_scheduler()
+    assert f"vllm-prefix-guard {__version__}: patched Scheduler.schedule" in (
+        result.stdout + result.stderr
+    )

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 
 from vllm_prefix_guard import plugin
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard.errors import GuardUnsupportedError
 from vllm_prefix_guard.hooks import ledger_of
 from vllm_prefix_guard.ledger import StepLedger
-from vllm_prefix_guard.pool import GuardUnsupportedError, PrefixGuardPool, graft
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import Driver
+from vllm_prefix_guard.pool import PrefixGuardPool, graft
 
 
 def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:

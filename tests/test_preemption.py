@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.selftest import zombie_layout
+from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
 from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.selftest import zombie_layout
-from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, Driver
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "sync-block16": {},

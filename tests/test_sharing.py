@@ -15,9 +15,10 @@ import time
 from typing import Any
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.hooks import ledger_of, withdraw_from_output
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, Driver
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.recovery import withdraw_from_output
 
 
 def first_step(prompt_len: int, copies: int) -> tuple[dict[str, int], int]:

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.ledger import StepLedger
-from vllm_prefix_guard.pool import graft
-from vllm_prefix_guard.testing.factory import (
+from vllm_prefix_guard.diagnostics.factory import (
     SchedulerSpec,
     kv_cache_config,
     make_request,
     make_scheduler,
 )
-from vllm_prefix_guard.testing.shadow_kv import Driver
+from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.pool import graft
 
 
 def _manager_and_ledger(mode: str, **spec: Any) -> tuple[Any, StepLedger | None]:
@@ -149,7 +149,7 @@ def test_reset_prefix_cache_clears_ledger(guard: None) -> None:
     ledger = ledger_of(scheduler)
     assert ledger is not None and ledger.steps_in_flight >= 1
     assert scheduler.reset_prefix_cache(reset_running_requests=True)
-    assert ledger.steps_in_flight == 0 and ledger.stats.uncommitted_entries == 0
+    assert ledger.steps_in_flight == 0 and ledger.uncommitted_entries == 0
     driver.run()
     assert driver.violations == 0 and ledger.is_idle
 

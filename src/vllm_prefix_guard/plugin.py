@@ -11,35 +11,23 @@ guard's own error from :func:`register`, not as a swallowed entry-point import f
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from typing import Any
 
+from vllm_prefix_guard import __version__
+from vllm_prefix_guard.errors import GuardConfigError
+from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.patching import PatchRegistry
 
 ENV_VAR = "VLLM_PREFIX_GUARD"
 _ON = ("1", "true", "on")
 _OFF = ("", "0", "false", "off")
-LOGGER_NAME = "vllm.prefix_guard"  # under "vllm" so vLLM's handlers print it
 
 _lock = threading.RLock()
 _registry: PatchRegistry | None = None
 _patched: list[str] = []
 _skipped_for_upstream: str | None = None
-
-
-class GuardConfigError(ValueError):
-    """``VLLM_PREFIX_GUARD`` holds a value that is neither on nor off."""
-
-
-def logger() -> logging.Logger:
-    """vLLM's logger for the guard (configured by vLLM's logging setup when available)."""
-    try:
-        from vllm.logger import init_logger
-    except ImportError:  # pragma: no cover - vLLM missing: doctor reports it
-        return logging.getLogger(LOGGER_NAME)
-    return init_logger(LOGGER_NAME)
 
 
 def enabled_by_env(environ: Any = None) -> bool:
@@ -73,7 +61,7 @@ def apply() -> list[str]:
     installed vLLM already has an equivalent fix, nothing is patched (logged once).
 
     Raises:
-        GuardUnsupportedError: a target is missing or changed; nothing was patched.
+        GuardUnsupportedError: an internal is missing or changed; nothing was patched.
     """
     global _registry, _patched, _skipped_for_upstream
     from vllm_prefix_guard import hooks, targets
@@ -88,7 +76,8 @@ def apply() -> list[str]:
         if upstream is not None:
             _skipped_for_upstream = upstream
             logger().info(
-                "vllm-prefix-guard: vLLM %s already ships %s; the guard is not applied.",
+                "vllm-prefix-guard %s: vLLM %s already ships %s; the guard is not applied.",
+                __version__,
                 version,
                 upstream,
             )
@@ -103,7 +92,7 @@ def apply() -> list[str]:
         _registry, _patched = registry, patched
         log = logger()
         for name in patched:
-            log.info("vllm-prefix-guard: patched %s (vLLM %s)", name, version)
+            log.info("vllm-prefix-guard %s: patched %s (vLLM %s)", __version__, name, version)
         return patched
 
 

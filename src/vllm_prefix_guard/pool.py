@@ -5,47 +5,34 @@ key (``key -> {block_id: block}``): concurrent requests that materialise the sam
 each own a block under the same ``(block_hash, group_id)``. The mixin keeps that
 multi-block index as the single source of truth and adds two things on top:
 
-- *recording*: while the ledger has a step open, every ``(key, block)`` pair that
-  ``_insert_block_hash`` newly adds is appended to that step's bucket, attributed to
-  the request whose ``cache_full_blocks``/``cache_partial_block`` call made it;
+- *recording*: while a sink is set (:meth:`PrefixGuardPool.guard_record_into`, the
+  ledger's open step), every ``(key, block)`` pair that ``_insert_block_hash`` newly adds
+  is handed to it, attributed to the request whose ``cache_full_blocks`` /
+  ``cache_partial_block`` call made it;
 - *exact undo*: :meth:`PrefixGuardPool.guard_unregister` removes one recorded pair,
-  never a sibling block under the same key, and only if the block still holds the
-  registration it had when recorded (it may have been evicted and reused since: vLLM
-  builds a new key object for every registration, so identity tells them apart).
+  never a sibling block under the same key, and only if the block still holds that very
+  registration. vLLM builds a new key object for every registration, so identity (not
+  equality) tells a recorded registration from a later one of equal content: a block
+  evicted and re-registered since has an equal key, but not the same object.
 
-The mixin is grafted onto the instance (``pool.__class__`` swap), whatever class vLLM or
-kvcached built, so it relies on no constructor: state is set up by :func:`graft`.
+The mixin is grafted onto the instance (:func:`graft`), whatever class vLLM or kvcached
+built, so it relies on no constructor: :func:`graft` sets its state up.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from vllm_prefix_guard import targets
+
 if TYPE_CHECKING:
     _PoolBase = Any
 else:
     _PoolBase = object
 
-#: Pool internals the mixin relies on; :func:`graft` refuses a pool that lacks one.
-REQUIRED_POOL_ATTRS = (
-    "cache_full_blocks",
-    "cache_partial_block",
-    "move_block_hashes",
-    "reset_prefix_cache",
-    "_insert_block_hash",
-    "_remove_cached_block_hashes",
-    "_emit_block_removed_events",
-    "cached_block_hash_to_block",
-    "cached_block_hashes_by_block",
-)
-
-
-class GuardUnsupportedError(RuntimeError):
-    """The installed vLLM (or a pool replacing vLLM's) lacks an internal the guard needs."""
-
 
 class RegistrationSink(Protocol):
-    """Where the pool reports speculative registrations (the ledger's open bucket)."""
+    """Where the pool reports the registrations of a step (the ledger's open bucket)."""
 
     def record(self, request_id: str | None, key: Any, block: Any) -> None: ...
 
@@ -53,7 +40,7 @@ class RegistrationSink(Protocol):
 class PrefixGuardPool(_PoolBase):
     """Cooperative mixin: every override calls ``super()`` and passes arguments through."""
 
-    # Set by the ledger while a step is open; None means "do not record".
+    # None: do not record (no step open, or a confirmed registration path).
     _guard_sink: RegistrationSink | None
     # Request whose cache_*_block call is running; None for pool-driven moves (Mamba CoW).
     _guard_request_id: str | None
@@ -66,6 +53,16 @@ class PrefixGuardPool(_PoolBase):
         self.guard_epoch = 0
 
     # -- recording -------------------------------------------------------------------
+
+    def guard_record_into(self, sink: RegistrationSink | None) -> RegistrationSink | None:
+        """Hand every new registration to ``sink`` from now on (None: stop recording).
+
+        Returns:
+            The sink that was set before, so a caller can pause and resume recording.
+        """
+        previous = self._guard_sink
+        self._guard_sink = sink
+        return previous
 
     def cache_full_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         if self._guard_sink is None:
@@ -89,8 +86,8 @@ class PrefixGuardPool(_PoolBase):
         sink = self._guard_sink
         if sink is None:
             return super()._insert_block_hash(key, block, *args, **kwargs)
-        # An unhashed block is in no entry yet (every removal path clears all of a
-        # block's keys), so the pair is new; otherwise ask, as vLLM is about to.
+        # vLLM's own test for "already registered" (equality), asked before it acts: an
+        # unhashed block is in no entry yet (every removal path clears all of its keys).
         is_new = block.block_hash is None or (
             block.block_hash != key
             and not self.cached_block_hash_to_block.contain(key, block.block_id)
@@ -112,19 +109,20 @@ class PrefixGuardPool(_PoolBase):
         """Remove the recorded registration ``(key, block.block_id)``; emit ``BlockRemoved``.
 
         A primary key takes the block's secondary (partial) keys with it: those were
-        added on top of the same not-yet-written content. Sibling blocks under ``key``
-        are never touched.
+        added after it, on top of the same not-yet-written content. Sibling blocks under
+        ``key`` are never touched.
 
         Returns:
-            False if the record is stale (the block lost that registration since it was
-            recorded, e.g. evicted and reused) or the pair is already gone.
+            False if the record is stale (the block no longer holds this registration:
+            evicted, possibly re-registered with an equal key since) or already undone.
         """
-        block_id = block.block_id
         if block.block_hash is key:
             removed = self._remove_cached_block_hashes(block)
         else:
+            block_id = block.block_id
             secondary = self.cached_block_hashes_by_block.get(block_id)
-            if not secondary or key not in secondary:
+            # Set membership is by equality; the recorded registration is this object.
+            if not secondary or not any(held is key for held in secondary):
                 return False
             if self.cached_block_hash_to_block.pop(key, block_id) is None:
                 return False
@@ -139,7 +137,24 @@ class PrefixGuardPool(_PoolBase):
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
-def graft(pool: Any, fresh: bool = False) -> Any:
+def missing_internals(pool: Any) -> list[str]:
+    """Names of the pool internals (:data:`targets.POOL_INTERNALS`) ``pool`` lacks."""
+    index = getattr(pool, "cached_block_hash_to_block", None)
+    missing = []
+    for internal in targets.POOL_INTERNALS:
+        owner = internal.owner
+        if owner == "BlockPool":
+            present = hasattr(pool, internal.name)
+        elif owner == "BlockHashToBlockMap":
+            present = index is not None and hasattr(index, internal.name)
+        else:  # blocks: checked on vLLM's class at start-up
+            continue
+        if not present:
+            missing.append(internal.path)
+    return missing
+
+
+def graft(pool: Any, fresh: bool = False, hint: str = "") -> Any:
     """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
 
     One guarded class is built per base class, so ``type(pool).__mro__`` reads
@@ -154,6 +169,7 @@ def graft(pool: Any, fresh: bool = False) -> Any:
             ``__class__`` is reassigned, which slows every later access (measured: about
             1% of a scheduler step). Otherwise (a pool others already share, e.g.
             kvcached's replacement) the class is swapped in place, identity preserved.
+        hint: appended to the error, e.g. what the pool is and where it comes from.
 
     Raises:
         GuardUnsupportedError: the pool lacks an internal the guard relies on.
@@ -161,11 +177,12 @@ def graft(pool: Any, fresh: bool = False) -> Any:
     if isinstance(pool, PrefixGuardPool):
         return pool
     base = type(pool)
-    missing = [name for name in REQUIRED_POOL_ATTRS if not hasattr(pool, name)]
+    missing = missing_internals(pool)
     if missing:
-        raise GuardUnsupportedError(
-            f"vllm-prefix-guard cannot guard {base.__module__}.{base.__qualname__}: it has no "
-            f"{', '.join(missing)}. Disable the guard with VLLM_PREFIX_GUARD=0."
+        raise targets.unsupported(
+            f"the KV-cache block pool {base.__module__}.{base.__qualname__}",
+            f"has no {', '.join(missing)}",
+            hint,
         )
     guarded = _GUARDED_CLASSES.get(base)
     if guarded is None:

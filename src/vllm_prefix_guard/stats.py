@@ -1,9 +1,9 @@
 """Counters an operator can read: what the guard tracked, rolled back, and why.
 
-Each scheduler's ledger owns one :class:`GuardStats`; :func:`snapshot` sums the live
-ones in this process. Nothing here logs per step: the EngineCore prints one summary
-line at shutdown (see ``hooks``), and :class:`StatsFile` keeps a JSON copy fresh for
-tooling (vLLM's default ``--shutdown-timeout 0`` can kill EngineCore before shutdown).
+Each scheduler's ledger owns one :class:`GuardStats`. Nothing here logs per step: the
+EngineCore prints one summary line at shutdown (see ``hooks``), and :class:`StatsFile`
+keeps a JSON copy fresh for tooling (vLLM's default ``--shutdown-timeout 0`` can kill
+EngineCore before shutdown).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import time
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -34,9 +34,8 @@ class GuardStats:
     stale_entries_skipped: int = 0
     # Requests preempted because they counted a rolled-back block as computed.
     dependents_preempted: int = 0
-    # Largest number of uncommitted entries held at once, and right now.
+    # Largest number of entries held uncommitted at once (steps in flight).
     peak_uncommitted_entries: int = 0
-    uncommitted_entries: int = 0
 
     @property
     def rolled_back(self) -> int:
@@ -51,30 +50,6 @@ class GuardStats:
         out["rolled_back"] = self.rolled_back
         return out
 
-    def add(self, other: GuardStats) -> None:
-        for field in dataclasses.fields(self):
-            name = field.name
-            if name.startswith("peak_"):
-                setattr(self, name, max(getattr(self, name), getattr(other, name)))
-            else:
-                setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-_live: weakref.WeakSet[object] = weakref.WeakSet()
-
-
-def track(owner: object) -> None:
-    """Make ``owner`` (anything with a ``stats: GuardStats``) count in :func:`snapshot`."""
-    _live.add(owner)
-
-
-def snapshot() -> GuardStats:
-    """Sum of the counters of every live guarded scheduler in this process."""
-    total = GuardStats()
-    for owner in list(_live):
-        total.add(owner.stats)  # type: ignore[attr-defined]
-    return total
-
 
 class StatsFile:
     """Keeps ``path`` holding the latest counters as JSON, rewritten at most every
@@ -85,13 +60,13 @@ class StatsFile:
         self.interval_s = interval_s
         self._next_write = 0.0
 
-    def maybe_write(self, stats: GuardStats) -> None:
+    def maybe_write(self, counters: Callable[[], dict[str, int]]) -> None:
         if time.monotonic() >= self._next_write:
-            self.write(stats)
+            self.write(counters())
 
-    def write(self, stats: GuardStats) -> None:
+    def write(self, counters: dict[str, int]) -> None:
         self._next_write = time.monotonic() + self.interval_s
         partial = f"{self.path}.{os.getpid()}.tmp"
         with open(partial, "w", encoding="utf-8") as fh:
-            json.dump(stats.as_dict(), fh)
+            json.dump(counters, fh)
         os.replace(partial, self.path)

@@ -1,85 +1,210 @@
-"""The vLLM internals the guard wraps, and the capability checks run before touching any.
+"""Every vLLM internal the guard touches, on any path, and the checks run before the first patch.
 
-Version differences are handled here by asking the installed vLLM what it has (does
-the attribute exist, is it callable, does it take these parameters), never by
-comparing version strings. Every check runs before the first patch, so an unknown
-vLLM fails at startup with the target's name instead of half-patched.
+One list (:data:`INTERNALS`) names each method the guard wraps or calls, each field it
+reads or rewrites and each instance attribute it uses, with the guard path that needs
+it. :func:`check_all` verifies the whole list against the installed vLLM before anything
+is patched, so a vLLM that renamed an internal used only on a rare path (say, a KV-load
+failure shared by two requests) fails at start-up with that internal's name, not in
+production the first time the path runs.
+
+Versions are told apart by asking the installed vLLM what it has (does the attribute
+exist, is it callable, does it take these parameters, is the field declared, does the
+constructor assign the attribute), never by comparing version strings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import dis
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+from functools import partial
 from typing import Any
 
-from vllm_prefix_guard.pool import REQUIRED_POOL_ATTRS, GuardUnsupportedError
+from vllm_prefix_guard.errors import DISABLE_HINT, GuardUnsupportedError
 
-SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
-COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
-BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"
+COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
+MANAGER = "vllm.v1.core.kv_cache_manager"
+SINGLE_TYPE_MANAGER = "vllm.v1.core.single_type_kv_cache_manager"
+BLOCK_POOL = "vllm.v1.core.block_pool"
+KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
+OUTPUTS = "vllm.v1.outputs"
+REQUEST = "vllm.v1.request"
 
-DISABLE_HINT = "Set VLLM_PREFIX_GUARD=0 (or leave it unset) to run vLLM without the guard."
+
+class Kind(Enum):
+    """How an internal is used, which decides how its presence is checked."""
+
+    #: A method of a class (or a function of a module) called or wrapped; ``params`` named.
+    CALLABLE = "callable"
+    #: A declared field of a dataclass (or an annotated class attribute).
+    FIELD = "field"
+    #: An instance attribute: a field, a property, or assigned by a constructor in the MRO.
+    ATTRIBUTE = "attribute"
 
 
 @dataclass(frozen=True)
-class Target:
-    """A callable the guard relies on: ``module.owner.name`` taking ``params``."""
+class Internal:
+    """``module.path`` (``Owner.name`` or a module-level ``name``), used by ``used_by``."""
 
     module: str
-    owner: str
-    name: str
+    path: str
+    kind: Kind
+    used_by: str
     params: tuple[str, ...] = ()
 
     @property
+    def owner(self) -> str | None:
+        return self.path.rpartition(".")[0] or None
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+    @property
     def qualname(self) -> str:
-        return f"{self.owner}.{self.name}"
+        return f"{self.module}.{self.path}"
 
 
-#: Scheduler methods the guard wraps.
-SCHEDULER_TARGETS = (
-    Target(SCHEDULER_MODULE, "Scheduler", "__init__"),
-    Target(SCHEDULER_MODULE, "Scheduler", "schedule"),
-    Target(
-        SCHEDULER_MODULE,
-        "Scheduler",
-        "update_from_output",
-        ("scheduler_output", "model_runner_output"),
+def _callable(module: str, path: str, used_by: str, *params: str) -> Internal:
+    return Internal(module, path, Kind.CALLABLE, used_by, params)
+
+
+def _fields(module: str, owner: str, used_by: str, *names: str) -> tuple[Internal, ...]:
+    return tuple(Internal(module, f"{owner}.{n}", Kind.FIELD, used_by) for n in names)
+
+
+def _attributes(module: str, owner: str, used_by: str, *names: str) -> tuple[Internal, ...]:
+    return tuple(Internal(module, f"{owner}.{n}", Kind.ATTRIBUTE, used_by) for n in names)
+
+
+_HOOK = "scheduler hook"
+_POOL = "pool mixin"
+_LOAD = "KV-load failure rollback"
+_DEPENDENTS = "same-step dependents"
+
+#: Scheduler methods the guard wraps (each logged once when patched).
+SCHEDULER_HOOKS: tuple[Internal, ...] = (
+    _callable(SCHEDULER, "Scheduler.__init__", _HOOK),
+    _callable(SCHEDULER, "Scheduler.schedule", _HOOK),
+    _callable(
+        SCHEDULER, "Scheduler.update_from_output", _HOOK, "scheduler_output", "model_runner_output"
     ),
-    Target(
-        SCHEDULER_MODULE,
-        "Scheduler",
-        "_preempt_request",
-        ("request", "timestamp", "drop_stale_output"),
+    _callable(
+        SCHEDULER, "Scheduler._preempt_request", _HOOK, "request", "timestamp", "drop_stale_output"
     ),
-    Target(SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache"),
-    Target(SCHEDULER_MODULE, "Scheduler", "_update_waiting_for_remote_kv", ("request",)),
-    Target(SCHEDULER_MODULE, "Scheduler", "shutdown"),
+    _callable(SCHEDULER, "Scheduler.reset_prefix_cache", _HOOK),
+    _callable(SCHEDULER, "Scheduler._update_waiting_for_remote_kv", _HOOK, "request"),
+    _callable(SCHEDULER, "Scheduler.shutdown", _HOOK),
 )
 
-#: Pool internals the mixin overrides or calls (checked on vLLM's class; a replacement
-#: pool is checked again when it is grafted).
-POOL_TARGETS = (
-    Target(BLOCK_POOL_MODULE, "BlockPool", "cache_full_blocks", ("request", "blocks")),
-    Target(BLOCK_POOL_MODULE, "BlockPool", "cache_partial_block", ("request", "block")),
-    Target(BLOCK_POOL_MODULE, "BlockPool", "move_block_hashes", ("src_block", "dst_block")),
-    Target(
-        BLOCK_POOL_MODULE,
+#: What the pool mixin overrides or calls. Checked on vLLM's ``BlockPool`` at start-up
+#: and again, by name, on the live pool it is grafted onto (a replacement such as
+#: kvcached's may lack what vLLM's has).
+POOL_INTERNALS: tuple[Internal, ...] = (
+    _callable(BLOCK_POOL, "BlockPool.cache_full_blocks", _POOL, "request", "blocks"),
+    _callable(BLOCK_POOL, "BlockPool.cache_partial_block", _POOL, "request", "block"),
+    _callable(BLOCK_POOL, "BlockPool.move_block_hashes", _POOL, "src_block", "dst_block"),
+    _callable(
+        BLOCK_POOL,
+        "BlockPool._insert_block_hash",
+        _POOL,
+        "block_hash_with_group_id",
+        "block",
+        "num_tokens",
+    ),
+    _callable(BLOCK_POOL, "BlockPool._remove_cached_block_hashes", _POOL, "block"),
+    _callable(BLOCK_POOL, "BlockPool._emit_block_removed_events", _POOL, "block_hashes"),
+    _callable(BLOCK_POOL, "BlockPool.reset_prefix_cache", _POOL),
+    *_attributes(
+        BLOCK_POOL,
         "BlockPool",
-        "_insert_block_hash",
-        ("block_hash_with_group_id", "block", "num_tokens"),
+        _POOL,
+        "enable_caching",
+        "cached_block_hash_to_block",
+        "cached_block_hashes_by_block",
     ),
-    Target(BLOCK_POOL_MODULE, "BlockPool", "_remove_cached_block_hashes", ("block",)),
-    Target(BLOCK_POOL_MODULE, "BlockPool", "_emit_block_removed_events", ("block_hashes",)),
-    Target(BLOCK_POOL_MODULE, "BlockPool", "reset_prefix_cache"),
-    Target(BLOCK_POOL_MODULE, "BlockHashToBlockMap", "contain", ("key", "block_id")),
-    Target(BLOCK_POOL_MODULE, "BlockHashToBlockMap", "pop", ("key", "block_id")),
+    _callable(BLOCK_POOL, "BlockHashToBlockMap.contain", _POOL, "key", "block_id"),
+    _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key", "block_id"),
+    *_fields(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_id", "ref_cnt", "is_null"),
+    *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash"),
 )
+
+#: Per-request columns of ``CachedRequestData``: ``list`` fields are indexed like
+#: ``req_ids`` (or empty when unused); ``set``/``dict`` fields are keyed by request id.
+#: Withdrawing a request from a step rewrites each; any other field stops start-up.
+CACHED_REQUEST_COLUMNS: dict[str, type] = {
+    "req_ids": list,
+    "resumed_req_ids": set,
+    "new_token_ids": list,
+    "all_token_ids": dict,
+    "new_block_ids": list,
+    "num_computed_tokens": list,
+    "num_output_tokens": list,
+}
+
+#: Everything else, on the paths that run rarely: KV-load failures and their sharers,
+#: same-step dependents withdrawn from a step, the manager state both rewrite.
+RARE_PATH_INTERNALS: tuple[Internal, ...] = (
+    *_attributes(
+        SCHEDULER,
+        "Scheduler",
+        _LOAD,
+        "running",
+        "requests",
+        "kv_cache_manager",
+        "block_size",
+    ),
+    *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
+    *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
+    _callable(KV_CACHE_UTILS, "get_block_hash", _LOAD, "key"),
+    _callable(MANAGER, "KVCacheManager.get_block_ids", _LOAD, "request_id"),
+    *_attributes(MANAGER, "KVCacheManager", _LOAD, "enable_caching", "block_pool", "coordinator"),
+    *_attributes(COORDINATOR, "KVCacheCoordinator", _LOAD, "single_type_managers"),
+    *_attributes(
+        SINGLE_TYPE_MANAGER,
+        "SingleTypeKVCacheManager",
+        _LOAD,
+        "req_to_blocks",
+        "num_cached_block",
+        "block_size",
+    ),
+    *_attributes(
+        REQUEST,
+        "Request",
+        _LOAD,
+        "request_id",
+        "num_computed_tokens",
+        "block_hashes",
+    ),
+    *_attributes(REQUEST, "Request", _DEPENDENTS, "num_in_flight_tokens"),
+    *_fields(
+        SCHEDULER_OUTPUT,
+        "SchedulerOutput",
+        _DEPENDENTS,
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+        "total_num_scheduled_tokens",
+        "scheduled_spec_decode_tokens",
+        "scheduled_encoder_inputs",
+    ),
+    *_fields(SCHEDULER_OUTPUT, "NewRequestData", _DEPENDENTS, "req_id"),
+    *_fields(SCHEDULER_OUTPUT, "CachedRequestData", _DEPENDENTS, "req_ids"),
+)
+
+#: The one list: everything :func:`check_all` verifies before the first patch.
+INTERNALS: tuple[Internal, ...] = SCHEDULER_HOOKS + POOL_INTERNALS + RARE_PATH_INTERNALS
 
 #: Names whose presence means vLLM ships its own commit fence (upstream PR #43569).
 UPSTREAM_FIX_MARKERS = (
-    (BLOCK_POOL_MODULE, "BlockPool", "rollback_uncommitted"),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "rollback_uncommitted"),
+    (BLOCK_POOL, "BlockPool", "rollback_uncommitted"),
+    (MANAGER, "KVCacheManager", "rollback_uncommitted"),
 )
 
 
@@ -91,56 +216,129 @@ def vllm_version() -> str:
         return "unknown"
 
 
-def resolve(module: str, owner: str) -> Any:
-    """Import ``module`` and return its attribute ``owner``."""
-    return getattr(importlib.import_module(module), owner)
+def unsupported(subject: str, why: str, hint: str = "") -> GuardUnsupportedError:
+    """The one start-up error: what is missing or changed, on which vLLM, how to go on."""
+    return GuardUnsupportedError(
+        f"vllm-prefix-guard does not support this vLLM ({vllm_version()}): {subject} {why}."
+        f"{' ' + hint if hint else ''} {DISABLE_HINT}"
+    )
 
 
-def check(target: Target) -> Any:
-    """Return the function ``target`` names, or raise a startup error that says why not."""
-    where = f"{target.module}.{target.qualname}"
+def resolve(module: str, path: str) -> Any:
+    """Import ``module`` and return the object at the dotted ``path`` inside it."""
+    value: Any = importlib.import_module(module)
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check(internal: Internal) -> Any:
+    """Return what ``internal`` names, or raise :func:`unsupported` saying why not."""
+    owner_path = internal.owner
     try:
-        owner = resolve(target.module, target.owner)
+        owner = resolve(internal.module, owner_path) if owner_path else None
     except (ImportError, AttributeError) as exc:
-        raise _unsupported(where, f"cannot be imported ({exc})") from exc
-    fn = inspect.getattr_static(owner, target.name, None)
+        raise unsupported(internal.qualname, f"cannot be imported ({exc})") from exc
+    if internal.kind is Kind.CALLABLE:
+        return _check_callable(internal, owner)
+    assert owner is not None, f"{internal.qualname}: fields and attributes belong to a class"
+    if internal.kind is Kind.FIELD:
+        if internal.name not in declared_fields(owner):
+            raise unsupported(
+                internal.qualname, f"is no longer a field (used by {internal.used_by})"
+            )
+        return None
+    if not has_instance_attribute(owner, internal.name):
+        raise unsupported(
+            internal.qualname, f"is no longer set on instances (used by {internal.used_by})"
+        )
+    return None
+
+
+def _check_callable(internal: Internal, owner: Any) -> Any:
+    if owner is None:
+        try:
+            fn = resolve(internal.module, internal.name)
+        except (ImportError, AttributeError):
+            fn = None
+    else:
+        fn = inspect.getattr_static(owner, internal.name, None)
     if fn is None:
-        raise _unsupported(where, "does not exist")
+        raise unsupported(internal.qualname, f"does not exist (used by {internal.used_by})")
     if not callable(fn):
-        raise _unsupported(where, "is not callable")
+        raise unsupported(internal.qualname, "is not callable")
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError) as exc:
-        raise _unsupported(where, f"has no inspectable signature ({exc})") from exc
-    missing = [p for p in target.params if p not in parameters]
+        raise unsupported(internal.qualname, f"has no inspectable signature ({exc})") from exc
+    missing = [p for p in internal.params if p not in parameters]
     if missing:
-        raise _unsupported(where, f"no longer takes {', '.join(missing)}")
+        raise unsupported(internal.qualname, f"no longer takes {', '.join(missing)}")
     return fn
+
+
+def declared_fields(cls: type) -> set[str]:
+    """Field names of a dataclass, or the annotated attributes of a class and its bases."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
+
+
+def has_instance_attribute(cls: type, name: str) -> bool:
+    """Whether instances of ``cls`` have ``name``: declared, a class attribute or property,
+    or stored by a constructor in the MRO (read from its bytecode)."""
+    if name in declared_fields(cls) or inspect.getattr_static(cls, name, None) is not None:
+        return True
+    return any(name in _constructor_stores(klass) for klass in cls.__mro__)
+
+
+def _constructor_stores(cls: type) -> frozenset[str]:
+    """Attribute names ``cls.__init__`` itself stores (``self.x = ...``)."""
+    init = vars(cls).get("__init__")
+    code = getattr(inspect.unwrap(init), "__code__", None) if init is not None else None
+    if code is None:
+        return frozenset()
+    return frozenset(op.argval for op in dis.get_instructions(code) if op.opname == "STORE_ATTR")
 
 
 def check_coordinator() -> Any:
     """The coordinator class whose ``block_pool`` assignment the guard intercepts
     (through ``__setattr__``: a class-level ``block_pool`` would bypass it)."""
-    where = f"{COORDINATOR_MODULE}.KVCacheCoordinator"
-    try:
-        coordinator = resolve(COORDINATOR_MODULE, "KVCacheCoordinator")
-    except (ImportError, AttributeError) as exc:
-        raise _unsupported(where, f"cannot be imported ({exc})") from exc
+    internal = Internal(COORDINATOR, "KVCacheCoordinator.block_pool", Kind.ATTRIBUTE, _POOL)
+    coordinator = resolve(COORDINATOR, "KVCacheCoordinator")
     if "block_pool" in vars(coordinator):
-        raise _unsupported(where + ".block_pool", "is a class attribute, not per instance")
+        raise unsupported(internal.qualname, "is a class attribute, not per instance")
+    if not has_instance_attribute(coordinator, "block_pool"):
+        raise unsupported(internal.qualname, "is no longer assigned by the constructor")
     return coordinator
 
 
+def check_cached_request_columns() -> None:
+    """Every field of ``CachedRequestData`` is a per-request column the guard can rewrite."""
+    cls = resolve(SCHEDULER_OUTPUT, "CachedRequestData")
+    unknown = sorted(declared_fields(cls) - CACHED_REQUEST_COLUMNS.keys())
+    if unknown:
+        raise unsupported(
+            f"{SCHEDULER_OUTPUT}.CachedRequestData",
+            f"has fields the guard does not know how to withdraw a request from "
+            f"({', '.join(unknown)})",
+        )
+
+
+def all_checks() -> list[tuple[str, Callable[[], object]]]:
+    """Every start-up check as ``(what it checks, run)``; ``run`` raises
+    :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
+    return [
+        *((internal.qualname, partial(check, internal)) for internal in INTERNALS),
+        (f"{COORDINATOR}.KVCacheCoordinator.block_pool", check_coordinator),
+        (f"{SCHEDULER_OUTPUT}.CachedRequestData (columns)", check_cached_request_columns),
+    ]
+
+
 def check_all() -> None:
-    """Run every capability check; raise on the first failure."""
-    for target in SCHEDULER_TARGETS + POOL_TARGETS:
-        check(target)
-    check_coordinator()
-    pool_cls = resolve(BLOCK_POOL_MODULE, "BlockPool")
-    methods = [name for name in REQUIRED_POOL_ATTRS if not name.startswith("cached_")]
-    absent = [name for name in methods if not hasattr(pool_cls, name)]
-    if absent:  # pragma: no cover - POOL_TARGETS covers these; kept in sync by a test
-        raise _unsupported(f"{BLOCK_POOL_MODULE}.BlockPool", f"lacks {', '.join(absent)}")
+    """Run every check; raise on the first failure, before anything is patched."""
+    for _, run in all_checks():
+        run()
 
 
 def upstream_fix() -> str | None:
@@ -152,10 +350,3 @@ def upstream_fix() -> str | None:
         except (ImportError, AttributeError):
             continue
     return None
-
-
-def _unsupported(where: str, why: str) -> GuardUnsupportedError:
-    return GuardUnsupportedError(
-        f"vllm-prefix-guard does not support this vLLM ({vllm_version()}): {where} {why}. "
-        f"{DISABLE_HINT}"
-    )

@@ -1,6 +1,6 @@
 """Fixtures for the end-to-end tests: the tiny model and api_server processes.
 
-Servers are started through :class:`vllm_prefix_guard.e2e.server.ApiServer`, each in its own
+Servers are started through :class:`guard_demo.server.ApiServer`, each in its own
 process group on a free loopback port, and every server a fixture starts is stopped (SIGTERM, then
 SIGKILL to the whole group) in that fixture's finalizer, whether the tests passed or not.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from vllm_prefix_guard.e2e.server import ApiServer
-from vllm_prefix_guard.tiny_model import generate_tiny_model
+from guard_demo.server import ApiServer
+from guard_demo.tiny_model import generate_tiny_model
 
 # vLLM's CPU backend sizes its KV cache from this (GiB); the tests override the block count.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -37,7 +37,7 @@ def launch_server(
 
     The returned callable takes a name (for the log directory) and the keywords of
     :meth:`ApiServer.for_model`: ``guard`` (the value of ``VLLM_PREFIX_GUARD``, or ``None`` to
-    leave it unset), ``stats_file``, and :func:`~vllm_prefix_guard.e2e.server.serve_args` keywords.
+    leave it unset), ``stats_file``, and :func:`~guard_demo.server.serve_args` keywords.
     """
     servers: list[ApiServer] = []
 

@@ -1,7 +1,8 @@
-"""``python -m vllm_prefix_guard.demo``, end to end, as a user runs it."""
+"""``python -m guard_demo``, end to end, as a user runs it."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_prefix_guard.e2e.processes import live_pids
+from guard_demo.processes import live_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -20,7 +21,7 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "vllm_prefix_guard.demo",
+            "guard_demo",
             "--requests",
             "24",
             "--model-dir",
@@ -28,6 +29,7 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
             "--log-dir",
             str(tmp_path),
         ],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "examples")},
         capture_output=True,
         text=True,
         timeout=600,

@@ -41,15 +41,15 @@ from typing import Any
 
 import pytest
 
-from vllm_prefix_guard import plugin
-from vllm_prefix_guard.e2e.compare import (
+from guard_demo.compare import (
     LOGPROB_ATOL,
     TOP_LOGPROBS,
     Completion,
     find_mismatches,
 )
-from vllm_prefix_guard.e2e.workload import PROMPT_VOCAB
-from vllm_prefix_guard.testing.factory import SchedulerSpec
+from guard_demo.workload import PROMPT_VOCAB
+from vllm_prefix_guard import plugin
+from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 
 pytestmark = pytest.mark.e2e
 

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from vllm_prefix_guard.e2e.compare import (
+from guard_demo.compare import (
     LOGPROB_ATOL,
     Completion,
     compare_completions,
     find_mismatches,
 )
-from vllm_prefix_guard.e2e.metrics import MetricsSnapshot, read_guard_rollbacks
-from vllm_prefix_guard.e2e.processes import live_pids
-from vllm_prefix_guard.e2e.server import GUARD_STATS_FILE_ENV, ApiServer
-from vllm_prefix_guard.e2e.workload import make_workload
-from vllm_prefix_guard.tiny_model import generate_tiny_model, weights_digest
+from guard_demo.metrics import MetricsSnapshot, read_guard_rollbacks
+from guard_demo.processes import live_pids
+from guard_demo.server import GUARD_STATS_FILE_ENV, ApiServer
+from guard_demo.tiny_model import generate_tiny_model, weights_digest
+from guard_demo.workload import make_workload
 
 REFERENCE = Completion(
     token_ids=(7, 3),

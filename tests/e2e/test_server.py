@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from vllm_prefix_guard.e2e.metrics import read_guard_rollbacks
-from vllm_prefix_guard.e2e.reference_check import check_against_reference
-from vllm_prefix_guard.e2e.server import (
+from guard_demo.metrics import read_guard_rollbacks
+from guard_demo.reference_check import check_against_reference
+from guard_demo.server import (
     GUARDED_NUM_GPU_BLOCKS,
     REFERENCE_NUM_GPU_BLOCKS,
     STARTUP_TIMEOUT_S,
     ApiServer,
     http_get_text,
 )
-from vllm_prefix_guard.e2e.workload import make_workload
+from guard_demo.workload import make_workload
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_prefix_guard.fuzz.configs import CONFIGS
-from vllm_prefix_guard.fuzz.differential import ConfigResult, run_matrix
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.differential import ConfigResult, run_matrix
 
 CI_SEEDS = range(3)
 
@@ -23,7 +23,7 @@ _results: dict[str, ConfigResult] = {}
 def ci_results() -> Iterator[dict[str, ConfigResult]]:
     """Configuration name -> its totals over ``CI_SEEDS``, all modes."""
     if not _results:
-        from vllm_prefix_guard.fuzz.cli import quiet_vllm
+        from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
 
         quiet_vllm()
         for result in run_matrix(CONFIGS.values(), CI_SEEDS):
@@ -34,7 +34,7 @@ def ci_results() -> Iterator[dict[str, ConfigResult]]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _results:
         return
-    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table
+    from vllm_prefix_guard.diagnostics.fuzz.report import checks_text, markdown_table
     from vllm_prefix_guard.targets import vllm_version
 
     results = list(_results.values())

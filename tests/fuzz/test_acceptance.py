@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.fuzz.configs import CONFIGS
-from vllm_prefix_guard.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
 
 TARGETED = [name for name, config in CONFIGS.items() if config.targeted]
 ALL = list(CONFIGS)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.fuzz.configs import CONFIGS
-from vllm_prefix_guard.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
-from vllm_prefix_guard.fuzz.runner import RunResult
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
+from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult
 
 
 def _drain(runs_by_mode: dict[str, tuple[int, int]]) -> tuple[str, str]:

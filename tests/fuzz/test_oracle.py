@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from vllm_prefix_guard.fuzz.runner import run_workload
-from vllm_prefix_guard.fuzz.workload import Arrive, Workload
-from vllm_prefix_guard.testing.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
 
 # The notes' deterministic zombie layout: C (and A on resume) hit A's block 8, which
 # A's withdrawn step registered but never wrote.
@@ -55,8 +55,8 @@ def test_a_reported_block_with_right_content_is_a_clean_read() -> None:
     """A reported invalid block id can name a block that was freed and rewritten since
     (reused by a load that succeeded): reading right content there is no loss, so the
     reader is not tainted; wrong content there is unclean but vLLM's known loss."""
-    from vllm_prefix_guard.fuzz.oracle import FuzzKV
-    from vllm_prefix_guard.testing.shadow_kv import ScheduledRead, TokenModel
+    from vllm_prefix_guard.diagnostics.fuzz.oracle import FuzzKV
+    from vllm_prefix_guard.diagnostics.shadow_kv import ScheduledRead, TokenModel
 
     kv = FuzzKV(block_size=4)
     model = TokenModel(list(range(8)))

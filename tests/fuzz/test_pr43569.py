@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.fuzz.configs import CONFIGS
-from vllm_prefix_guard.fuzz.pr43569 import adopt_pr43569_scope
-from vllm_prefix_guard.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.pr43569 import adopt_pr43569_scope
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
 
 
 def test_rolls_back_the_victim_in_dispatched_steps() -> None:
@@ -29,9 +29,9 @@ def test_changes_one_ledger_only() -> None:
     plugin.apply()
     one, other = (ledger_of(make_scheduler(async_scheduling=True)) for _ in range(2))
     assert one is not None and other is not None
-    adopt_pr43569_scope(one)
-    assert "rollback_preempted" in vars(one)
-    assert "rollback_preempted" not in vars(other)
+    scope = adopt_pr43569_scope(one)
+    assert one.preemption_scope is scope
+    assert other.preemption_scope is None
 
 
 def test_only_the_wider_scope_undoes_in_flight_entries() -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from vllm_prefix_guard.fuzz.runner import run_workload
-from vllm_prefix_guard.fuzz.shrink import Budget, ddmin, reads_bad_kv, shrink
-from vllm_prefix_guard.fuzz.workload import Abort, Arrive, Workload
-from vllm_prefix_guard.testing.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.fuzz.shrink import Budget, ddmin, reads_bad_kv, shrink
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload
 
 # The notes' deterministic layout (README, "Findings"), buried in unrelated traffic.
 E2 = (

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from vllm_prefix_guard.fuzz.configs import CONFIGS
-from vllm_prefix_guard.fuzz.generators import (
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.generators import (
     FailedLoadEpisodes,
     Traffic,
     failed_load_episodes,
     random_traffic,
 )
-from vllm_prefix_guard.fuzz.workload import Abort, Arrive, Reset, Workload, expand
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -18,7 +18,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_prefix_guard.fuzz.generators import (
+from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.fuzz.generators import (
     FailedLoadEpisodes,
     Traffic,
     VictimEpisodes,
@@ -26,8 +27,7 @@ from vllm_prefix_guard.fuzz.generators import (
     random_traffic,
     victim_episodes,
 )
-from vllm_prefix_guard.fuzz.workload import Event, Workload
-from vllm_prefix_guard.testing.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.fuzz.workload import Event, Workload
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_prefix_guard.testing.shadow_kv import Driver, ScheduledRead, ShadowKV, StepPlan
+from vllm_prefix_guard.diagnostics.shadow_kv import Driver, ScheduledRead, ShadowKV, StepPlan
 
 
 @dataclass

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_prefix_guard.testing.factory import SchedulerSpec
+from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -144,8 +144,9 @@ class Workload:
         spec_args = ", ".join(f"{k}={v!r}" for k, v in _spec_overrides(self.spec).items())
         used = sorted({type(e).__name__ for e in self.events})
         lines = [
-            "from vllm_prefix_guard.fuzz.workload import " + ", ".join([*used, "Workload"]),
-            "from vllm_prefix_guard.testing.factory import SchedulerSpec",
+            "from vllm_prefix_guard.diagnostics.fuzz.workload import "
+            + ", ".join([*used, "Workload"]),
+            "from vllm_prefix_guard.diagnostics.factory import SchedulerSpec",
             "",
             f"{name} = Workload(",
             f"    spec=SchedulerSpec({spec_args}),",

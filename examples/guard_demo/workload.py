@@ -1,7 +1,7 @@
 """The demo's traffic: a timed, preemption-heavy request schedule, and a client that sends it.
 
 Requests go to ``/v1/completions`` as token ids, greedy, with top logprobs keyed by token id, so
-that every completion can be compared with a reference (:mod:`vllm_prefix_guard.e2e.compare`).
+that every completion can be compared with a reference (:mod:`guard_demo.compare`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_prefix_guard.e2e.compare import TOP_LOGPROBS, Completion
-from vllm_prefix_guard.e2e.server import BLOCK_SIZE, SERVED_MODEL_NAME
+from guard_demo.compare import TOP_LOGPROBS, Completion
+from guard_demo.server import BLOCK_SIZE, SERVED_MODEL_NAME
 
 __all__ = ["PROMPT_VOCAB", "Outcome", "WorkItem", "make_workload", "run_workload"]
 

@@ -1,6 +1,6 @@
 """Soak: at least ``--steps`` scheduler steps per configuration and mode, then a report.
 
-    python -m vllm_prefix_guard.fuzz.soak --steps 100000 [--config NAME ...] [--jobs N]
+    python -m vllm_prefix_guard.diagnostics.fuzz.soak --steps 100000 [--config NAME ...] [--jobs N]
                                           [--out FILE.md]
 
 Seeds 0, 1, ... run (every mode on each) until each mode of a configuration has taken
@@ -21,11 +21,14 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from vllm_prefix_guard.fuzz.cli import quiet_vllm
-from vllm_prefix_guard.fuzz.configs import CONFIGS, FuzzConfig
-from vllm_prefix_guard.fuzz.differential import ConfigResult, run_seed
-from vllm_prefix_guard.fuzz.hash_seed import current_hash_seed, reexec_with_fixed_hash_seed
-from vllm_prefix_guard.fuzz.runner import MODES
+from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig
+from vllm_prefix_guard.diagnostics.fuzz.differential import ConfigResult, run_seed
+from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
+    current_hash_seed,
+    reexec_with_fixed_hash_seed,
+)
+from vllm_prefix_guard.diagnostics.fuzz.runner import MODES
 
 
 def soak_config(
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         reexec_with_fixed_hash_seed()
     quiet_vllm()
     from vllm_prefix_guard import targets
-    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table, summary_table
+    from vllm_prefix_guard.diagnostics.fuzz.report import checks_text, markdown_table, summary_table
 
     modes = tuple(m.strip() for m in args.modes.split(","))
     configs = [CONFIGS[n] for n in args.config] if args.config else list(CONFIGS.values())
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             results = [f.result() for f in futures]
     else:
         results = [_soak_one(c, args.steps, args.horizon_factor, modes) for c in configs]
-    command = "python -m vllm_prefix_guard.fuzz.soak " + " ".join(
+    command = "python -m vllm_prefix_guard.diagnostics.fuzz.soak " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     report = "\n\n".join(

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from vllm_prefix_guard.e2e.processes import wait_group_gone
+from guard_demo.processes import wait_group_gone
 
 __all__ = [
     "BLOCK_SIZE",

@@ -66,7 +66,7 @@ def _register_fake_connector() -> None:
 
     if FAKE_CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
-            FAKE_CONNECTOR_NAME, "vllm_prefix_guard.testing.connector", "FakeLoadConnector"
+            FAKE_CONNECTOR_NAME, "vllm_prefix_guard.diagnostics.connector", "FakeLoadConnector"
         )
 
 

@@ -18,7 +18,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from vllm_prefix_guard.fuzz.workload import Abort, Arrive, Event, Reset, Runs, prompt_length
+from vllm_prefix_guard.diagnostics.fuzz.workload import (
+    Abort,
+    Arrive,
+    Event,
+    Reset,
+    Runs,
+    prompt_length,
+)
 
 # Token ids: the system prompt is 1..; every other run comes from a generator's own
 # space (``space * _SPACE_SIZE`` on), one ``_RUN_SIZE`` slot per run, so prompts share a

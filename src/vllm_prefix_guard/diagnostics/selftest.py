@@ -9,8 +9,8 @@ never written.
 
 from __future__ import annotations
 
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import Driver
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 
 
 def zombie_layout(

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_prefix_guard.e2e.server import http_get_text
+from guard_demo.server import http_get_text
 
 __all__ = ["MetricsSnapshot", "read_guard_rollbacks"]
 

@@ -1,6 +1,6 @@
 """The end-to-end harness: real ``api_server`` processes, a workload, and a reference check.
 
-:mod:`vllm_prefix_guard.demo` runs it as the project's main job; ``tests/e2e`` reuse its parts.
+:mod:`guard_demo` runs it as the project's main job; ``tests/e2e`` reuse its parts.
 Each module has one job:
 
 * :mod:`.server` starts, health-checks and stops an ``api_server`` process group;

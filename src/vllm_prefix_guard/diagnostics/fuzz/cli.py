@@ -3,7 +3,8 @@
 Runs the differential fuzzer against the installed vLLM (stock, guard, and PR #43569's
 rollback scope on the same seeds), prints the per-configuration table and checks, and
 for every guarded run that read bad KV a shrunk, paste-able reproducer. Exit status:
-0 when the guard read no bad KV, 1 when it did, 2 when the guard cannot apply here.
+0 when every check passed, 1 when any check failed (the closing summary lists each),
+2 when the guard cannot apply here or the arguments are wrong.
 """
 
 from __future__ import annotations
@@ -15,18 +16,23 @@ import os
 import sys
 from typing import Any
 
-from vllm_prefix_guard.fuzz.configs import CONFIGS, FuzzConfig
-from vllm_prefix_guard.fuzz.hash_seed import current_hash_seed
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig
+from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
+    current_hash_seed,
+    reexec_with_fixed_hash_seed,
+)
 
-EXIT_OK, EXIT_GUARD_VIOLATION, EXIT_UNSUPPORTED = 0, 1, 2
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_UNSUPPORTED = 0, 1, 2
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``fuzz`` on the top-level CLI's subparsers."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "fuzz",
-        help="shadow-KV differential fuzzing against the installed vLLM",
-        description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fuzz`` command's own parser."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-prefix-guard fuzz",
+        description="Randomised differential runs against the installed vLLM: stock, the guard "
+        "and PR #43569's rollback scope on the same seeds, checked by a fake worker that knows "
+        "what every KV slot holds. Exit status: 0 every check passed, 1 a check failed, "
+        "2 the guard cannot apply here.",
     )
     parser.add_argument(
         "--seconds",
@@ -61,8 +67,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--list", action="store_true", help="list configurations and exit")
-    parser.set_defaults(func=run)
     return parser
+
+
+def main(argv: list[str], reexec: bool = False) -> int:
+    """Parse ``argv`` and run; with ``reexec`` (a real command line), first make sure
+    the process runs under a fixed hash seed (see ``hash_seed``)."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(argv)
+    if reexec and not args.list:
+        reexec_with_fixed_hash_seed()
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,10 +90,15 @@ def run(args: argparse.Namespace) -> int:
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     quiet_vllm()
     from vllm_prefix_guard import plugin, targets
-    from vllm_prefix_guard.fuzz.differential import run_matrix
-    from vllm_prefix_guard.fuzz.report import checks_text, markdown_table, summary_table, to_json
-    from vllm_prefix_guard.fuzz.runner import MODES
-    from vllm_prefix_guard.pool import GuardUnsupportedError
+    from vllm_prefix_guard.diagnostics.fuzz.differential import run_matrix
+    from vllm_prefix_guard.diagnostics.fuzz.report import (
+        checks_text,
+        markdown_table,
+        summary_table,
+        to_json,
+    )
+    from vllm_prefix_guard.diagnostics.fuzz.runner import MODES
+    from vllm_prefix_guard.errors import GuardUnsupportedError
 
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -104,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         progress=None if args.json else _progress,
     )
     reproducers = _reproducers(results, args) if args.shrink_seconds > 0 else {}
-    guard_bad = _bad_in(results, "guard")
+    failed = [(r.config.name, c) for r in results for c in r.checks() if not c.ok]
     if args.json:
         print(json.dumps(to_json(results, environment, reproducers), indent=2))
     else:
@@ -118,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
             for mode, source in by_mode.items():
                 print(f"\n# Minimal reproducer: {name}, bad KV read in mode {mode!r}\n{source}")
         print()
-        print(_summary(results, environment))
-    return EXIT_GUARD_VIOLATION if guard_bad else EXIT_OK
+        print(_summary(results, environment, failed, args.argv))
+    return EXIT_CHECK_FAILED if failed else EXIT_OK
 
 
 def quiet_vllm() -> None:
@@ -157,7 +177,7 @@ def _progress(config: FuzzConfig, seed: int, runs: dict[str, Any]) -> None:
 
 def _reproducers(results: list[Any], args: argparse.Namespace) -> dict[str, dict[str, str]]:
     """Shrink the first failing seed of the guard (of every mode with ``--shrink-all``)."""
-    from vllm_prefix_guard.fuzz.shrink import shrink
+    from vllm_prefix_guard.diagnostics.fuzz.shrink import shrink
 
     wanted = ("guard", "pr43569", "stock") if args.shrink_all else ("guard",)
     out: dict[str, dict[str, str]] = {}
@@ -179,10 +199,15 @@ def _bad_in(results: list[Any], mode: str) -> list[str]:
     return [r.config.name for r in results if mode in r.totals and r.totals[mode].violations]
 
 
-def _summary(results: list[Any], environment: dict[str, Any]) -> str:
+def _summary(
+    results: list[Any], environment: dict[str, Any], failed: list[tuple[str, Any]], argv: list[str]
+) -> str:
+    """The closing lines: exposure, the guard's verdict, every failed check, how to re-run."""
     exposed = _bad_in(results, "stock")
     guard_bad = _bad_in(results, "guard")
-    lines = [f"vLLM {environment['vllm_version']}:"]
+    lines = [
+        f"vLLM {environment['vllm_version']}, PYTHONHASHSEED={environment['python_hash_seed']}:"
+    ]
     if "stock" in results[0].totals:
         lines.append(
             f"  stock read bad KV in {len(exposed)} of {len(results)} configurations"
@@ -194,4 +219,11 @@ def _summary(results: list[Any], environment: dict[str, Any]) -> str:
             if not guard_bad
             else f"  guard READ BAD KV in: {', '.join(guard_bad)}"
         )
+    if failed:
+        lines.append(f"  {len(failed)} check(s) FAILED:")
+        lines += [f"    {name}: {check.name}: {check.detail}" for name, check in failed]
+    else:
+        lines.append("  every check passed")
+    rerun = " ".join(["vllm-prefix-guard", "fuzz", *argv])
+    lines.append(f"  re-run: PYTHONHASHSEED={environment['python_hash_seed']} {rerun}")
     return "\n".join(lines)

@@ -1,19 +1,19 @@
 """End-to-end demo: a real OpenAI-compatible vLLM server with the guard, under preemption pressure.
 
-``python -m vllm_prefix_guard.demo`` does, on loopback only:
+``python -m guard_demo`` does, on loopback only:
 
-1. generates the tiny Llama checkpoint (:mod:`vllm_prefix_guard.tiny_model`);
+1. generates the tiny Llama checkpoint (:mod:`guard_demo.tiny_model`);
 2. starts two ``vllm.entrypoints.openai.api_server`` processes side by side
-   (:mod:`vllm_prefix_guard.e2e.server`): the *guarded* server (``VLLM_PREFIX_GUARD=1``,
+   (:mod:`guard_demo.server`): the *guarded* server (``VLLM_PREFIX_GUARD=1``,
    automatic prefix caching, priority scheduling, a KV cache of a few dozen blocks so that
    preemption is routine) and a *reference* server (no prefix caching, a KV cache large enough
    never to preempt);
 3. drives a timed ``/v1/completions`` workload at the guarded server
-   (:func:`~vllm_prefix_guard.e2e.workload.make_workload`): waves of a long low-priority prompt
+   (:func:`~guard_demo.workload.make_workload`): waves of a long low-priority prompt
    followed by high-priority ones, shared prefixes, repeated prompts, client disconnects (which
    vLLM turns into aborts), greedy decoding with top-5 logprobs;
 4. replays every request that completed on the reference server and compares token ids and
-   logprobs (:mod:`vllm_prefix_guard.e2e.reference_check`);
+   logprobs (:mod:`guard_demo.reference_check`);
 5. prints requests, prefix-cache hit rate and preemptions (from ``/metrics``), guard rollbacks and
    mismatches, and exits non-zero on any mismatch.
 
@@ -38,10 +38,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from vllm_prefix_guard.e2e.compare import LOGPROB_ATOL
-from vllm_prefix_guard.e2e.metrics import MetricsSnapshot, read_guard_rollbacks
-from vllm_prefix_guard.e2e.reference_check import check_against_reference
-from vllm_prefix_guard.e2e.server import (
+from guard_demo.compare import LOGPROB_ATOL
+from guard_demo.metrics import MetricsSnapshot, read_guard_rollbacks
+from guard_demo.reference_check import check_against_reference
+from guard_demo.server import (
     GUARDED_NUM_GPU_BLOCKS,
     REFERENCE_NUM_GPU_BLOCKS,
     STARTUP_TIMEOUT_S,
@@ -49,7 +49,7 @@ from vllm_prefix_guard.e2e.server import (
     ServerExited,
     http_get_text,
 )
-from vllm_prefix_guard.e2e.workload import make_workload
+from guard_demo.workload import make_workload
 
 __all__ = ["DemoOptions", "DemoReport", "main", "run_demo"]
 
@@ -112,7 +112,7 @@ class DemoOptions:
 
 def run_demo(options: DemoOptions) -> DemoReport:
     """Run the whole demo; servers are stopped before this returns or raises."""
-    from vllm_prefix_guard.tiny_model import default_model_dir, generate_tiny_model
+    from guard_demo.tiny_model import default_model_dir, generate_tiny_model
 
     started = time.monotonic()
     model_dir = generate_tiny_model(options.model_dir or default_model_dir())
@@ -185,7 +185,7 @@ def _sigterm_as_exit() -> Iterator[None]:
 
 def _parse_args(argv: Sequence[str] | None) -> DemoOptions:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_prefix_guard.demo",
+        prog="python -m guard_demo",
         description="Serve a tiny model with the prefix guard under preemption pressure and "
         "check every completion against a server without prefix caching.",
     )

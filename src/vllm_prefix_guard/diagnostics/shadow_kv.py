@@ -22,7 +22,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_prefix_guard.testing.factory import VOCAB_SIZE
+from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE
 
 NEVER_WRITTEN = "never_written"
 WRONG_CONTENT = "wrong_content"

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_prefix_guard.fuzz.configs import FuzzConfig
-from vllm_prefix_guard.fuzz.runner import MODES, RunResult, run_workload
+from vllm_prefix_guard.diagnostics.fuzz.configs import FuzzConfig
+from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, RunResult, run_workload
 
 HIT_TOKEN_FLOOR = 0.999
 
@@ -116,8 +116,8 @@ class ConfigResult:
 
     def _drain_check(self) -> Check:
         """Every run drained, or drained once the requests wedged on vLLM's own
-        dropped-output bug (:func:`~vllm_prefix_guard.fuzz.runner.awaits_dropped_output`),
-        which stock hits too, were aborted; which seeds hit it is chaotic once the modes'
+        dropped-output bug (:func:`.runner.awaits_dropped_output`), which stock hits
+        too, were aborted; which seeds hit it is chaotic once the modes'
         schedules diverge, so the counts are reported, not compared."""
         totals = self.totals.values()
         stalled = any(run.stalled_runs for run in totals)

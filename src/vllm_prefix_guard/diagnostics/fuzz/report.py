@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_prefix_guard.fuzz.differential import EXPLAINED, ConfigResult, percent
-from vllm_prefix_guard.fuzz.runner import RunResult
+from vllm_prefix_guard.diagnostics.fuzz.differential import EXPLAINED, ConfigResult, percent
+from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult
 
 COLUMNS = (
     "configuration",

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from vllm_prefix_guard.fuzz.runner import run_workload
-from vllm_prefix_guard.fuzz.workload import Abort, Arrive, Event, Reset, Runs, Workload
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Event, Reset, Runs, Workload
 
 T = TypeVar("T")
 Predicate = Callable[[Workload], bool]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_prefix_guard.e2e.compare import Completion, find_mismatches
-from vllm_prefix_guard.e2e.metrics import MetricsSnapshot
-from vllm_prefix_guard.e2e.workload import Outcome, WorkItem, run_workload
+from guard_demo.compare import Completion, find_mismatches
+from guard_demo.metrics import MetricsSnapshot
+from guard_demo.workload import Outcome, WorkItem, run_workload
 
 __all__ = ["ReferenceCheck", "check_against_reference"]
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.fuzz.oracle import MeteredDriver
-from vllm_prefix_guard.fuzz.pr43569 import InFlightRollbacks, adopt_pr43569_scope
-from vllm_prefix_guard.fuzz.workload import Abort, Arrive, Reset, Workload, expand
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
+from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight, adopt_pr43569_scope
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
+from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT
 from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.testing.factory import make_request, make_scheduler
-from vllm_prefix_guard.testing.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT
 
 MODES = ("stock", "guard", "pr43569")
 
@@ -140,7 +140,7 @@ def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = Fal
         in_flight = (
             adopt_pr43569_scope(ledger)
             if mode == "pr43569" and ledger is not None
-            else InFlightRollbacks()
+            else EveryStepInFlight()
         )
         driver = MeteredDriver(scheduler, workload.depth)
         requests = []
@@ -241,7 +241,7 @@ def _result(
     driver: MeteredDriver,
     requests: list[Any],
     ledger: Any,
-    in_flight: InFlightRollbacks,
+    in_flight: EveryStepInFlight,
     first_violation: int | None,
 ) -> RunResult:
     counts = driver.kv.counts

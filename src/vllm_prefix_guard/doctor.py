@@ -1,0 +1,140 @@
+"""``vllm-prefix-guard doctor``: will the guard be on, and can it apply to the installed vLLM?
+
+Each check is a :class:`Check` (``ok``, ``FAIL``, ``skip`` or ``info``). The checks run the
+same code the plugin runs at start-up (the entry point, the settings, every internal in
+:data:`vllm_prefix_guard.targets.INTERNALS`), so a pass here means a server started from
+this shell gets past the guard's start-up checks. ``--self-test`` then runs the known
+failure on stock and guarded schedulers of this very vLLM build (diagnostics, imported
+only then).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from importlib.metadata import entry_points
+
+from vllm_prefix_guard import __version__, plugin, targets
+from vllm_prefix_guard.errors import GuardConfigError
+from vllm_prefix_guard.versions import TESTED_VLLM_VERSIONS, tested_range
+
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "prefix_guard"
+
+OK, FAIL, SKIP, INFO = "ok", "FAIL", "skip", "info"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAIL
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "ok": not self.failed}
+
+    def render(self) -> str:
+        return f"[{self.status:>4}] {self.name}: {self.detail}"
+
+
+def run_checks(self_test: bool) -> list[Check]:
+    """Every check, in order. The self-test runs only if nothing failed before it."""
+    version = targets.vllm_version()
+    tested = version in TESTED_VLLM_VERSIONS
+    checks = [
+        Check("vllm-prefix-guard", INFO, __version__),
+        Check(
+            "vLLM",
+            OK if version != "unknown" else FAIL,
+            f"{version} ({'tested' if tested else 'not among the tested releases'}: "
+            f"{tested_range()}; the checks below decide)",
+        ),
+    ]
+    entry = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
+    checks.append(
+        Check(
+            "entry point",
+            OK if entry else FAIL,
+            entry[0].value if entry else f"no {ENTRY_POINT_NAME} in {ENTRY_POINT_GROUP}",
+        )
+    )
+    checks += _activation_checks()
+    upstream = targets.upstream_fix()
+    checks.append(
+        Check(
+            "upstream fix",
+            INFO,
+            "none in this vLLM: the guard patches it"
+            if upstream is None
+            else f"{upstream} present: the guard stays out",
+        )
+    )
+    for what, run in targets.all_checks():
+        try:
+            run()
+        except Exception as exc:
+            checks.append(Check(f"internal {what}", FAIL, str(exc)))
+        else:
+            checks.append(Check(f"internal {what}", OK, "present"))
+    if self_test:
+        failed = sum(c.failed for c in checks)
+        if failed:
+            checks.append(Check("self-test", SKIP, f"not run: {failed} check(s) above failed"))
+        else:
+            checks.append(_self_test())
+    return checks
+
+
+def _activation_checks() -> list[Check]:
+    """``VLLM_PLUGINS`` and ``VLLM_PREFIX_GUARD``, and what they add up to."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    loaded = allowed is None or ENTRY_POINT_NAME in allowed.split(",")
+    checks = [
+        Check(
+            "VLLM_PLUGINS",
+            OK if loaded else INFO,
+            "unset: every plugin loads"
+            if allowed is None
+            else f"{allowed!r}: "
+            + ("includes prefix_guard" if loaded else "excludes prefix_guard"),
+        )
+    ]
+    raw = os.environ.get(plugin.ENV_VAR)
+    try:
+        enabled = plugin.enabled_by_env()
+    except GuardConfigError as exc:
+        checks.append(Check(plugin.ENV_VAR, FAIL, str(exc)))
+        checks.append(Check("guard", FAIL, "a server started from this shell fails to start"))
+        return checks
+    checks.append(Check(plugin.ENV_VAR, OK, "unset" if raw is None else repr(raw)))
+    if enabled and loaded:
+        verdict = "ON for a vLLM server started from this shell"
+    elif not enabled:
+        verdict = f"OFF for a vLLM server started from this shell (set {plugin.ENV_VAR}=1)"
+    else:
+        verdict = "OFF for a vLLM server started from this shell (VLLM_PLUGINS excludes it)"
+    checks.append(Check("guard", INFO, verdict))
+    return checks
+
+
+def _self_test() -> Check:
+    """Run the notes' deterministic zombie layout on stock and guarded schedulers."""
+    from vllm_prefix_guard.diagnostics.selftest import zombie_layout_violations
+
+    was_applied = plugin.is_applied()
+    plugin.undo()
+    stock = zombie_layout_violations()
+    plugin.apply()
+    guarded = zombie_layout_violations()
+    if not was_applied:
+        plugin.undo()
+    return Check(
+        "self-test (priority zombie layout)",
+        OK if guarded == 0 else FAIL,
+        f"stock wrong reads={stock}, guarded wrong reads={guarded}"
+        + ("" if stock else " (this vLLM build does not show the stock failure)"),
+    )

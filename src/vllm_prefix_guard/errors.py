@@ -1,0 +1,18 @@
+"""The guard's errors: a bad setting, and a vLLM (or pool) the guard cannot vouch for.
+
+Both abort engine start-up when raised from the plugin entry point: an enabled guard
+that cannot apply fails loudly instead of running unguarded.
+"""
+
+from __future__ import annotations
+
+#: How to turn the guard off; every start-up error ends with it.
+DISABLE_HINT = "Set VLLM_PREFIX_GUARD=0 (or leave it unset) to run vLLM without the guard."
+
+
+class GuardConfigError(ValueError):
+    """A guard setting (an environment variable) holds a value that is not understood."""
+
+
+class GuardUnsupportedError(RuntimeError):
+    """The installed vLLM, or a pool replacing vLLM's, lacks an internal the guard needs."""

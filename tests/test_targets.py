@@ -1,0 +1,144 @@
+"""Start-up checks: every vLLM internal any guard path touches, checked before the first patch.
+
+Each internal in ``targets.INTERNALS`` is removed or renamed on the real, installed vLLM
+(a method set to None, a dataclass field renamed, a constructor's ``self.x = ...``
+rewritten to store another name) and ``apply()`` must fail with that internal's name,
+patching nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import inspect
+import types
+from typing import Any
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_prefix_guard import plugin, targets
+from vllm_prefix_guard.doctor import run_checks
+from vllm_prefix_guard.errors import GuardUnsupportedError
+from vllm_prefix_guard.hooks import LEDGER_ATTR
+from vllm_prefix_guard.targets import Internal, Kind
+
+STOCK_SCHEDULER = dict(vars(Scheduler))
+
+
+def _rename_stores(function: Any, name: str, renamed: str) -> Any:
+    """A copy of ``function`` whose code stores ``renamed`` wherever it stored ``name``."""
+    code = function.__code__
+    names = tuple(renamed if n == name else n for n in code.co_names)
+    copy = types.FunctionType(
+        code.replace(co_names=names),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    return copy
+
+
+def remove_from_vllm(monkeypatch: pytest.MonkeyPatch, internal: Internal) -> None:
+    """Make the installed vLLM lack ``internal``, the way a release renaming it would."""
+    module = importlib.import_module(internal.module)
+    owner: Any = targets.resolve(internal.module, internal.owner) if internal.owner else module
+    name, renamed = internal.name, internal.name + "_renamed"
+    if internal.kind is Kind.CALLABLE:
+        monkeypatch.setattr(owner, name, None)
+        return
+    if dataclasses.is_dataclass(owner):
+        fields = dict(owner.__dataclass_fields__)
+        if name in fields:
+            fields[renamed] = copy.copy(fields.pop(name))
+            fields[renamed].name = renamed
+            monkeypatch.setattr(owner, "__dataclass_fields__", fields)
+    for klass in owner.__mro__:
+        if name in vars(klass):
+            monkeypatch.delattr(klass, name)
+        annotations = vars(klass).get("__annotations__", {})
+        if name in annotations:
+            renamed_annotations = {(renamed if k == name else k): v for k, v in annotations.items()}
+            monkeypatch.setattr(klass, "__annotations__", renamed_annotations)
+        init = vars(klass).get("__init__")
+        if inspect.isfunction(init) and name in init.__code__.co_names:
+            monkeypatch.setattr(klass, "__init__", _rename_stores(init, name, renamed))
+
+
+@pytest.mark.parametrize("internal", targets.INTERNALS, ids=lambda i: i.path)
+def test_each_internal_is_checked_before_the_first_patch(
+    monkeypatch: pytest.MonkeyPatch, internal: Internal
+) -> None:
+    targets.check(internal)  # present on the installed vLLM
+    remove_from_vllm(monkeypatch, internal)
+    with pytest.raises(GuardUnsupportedError) as excinfo:
+        plugin.apply()
+    message = str(excinfo.value)
+    assert internal.qualname in message and "VLLM_PREFIX_GUARD=0" in message
+    assert not plugin.is_applied()
+    monkeypatch.undo()
+    assert dict(vars(Scheduler)) == STOCK_SCHEDULER  # nothing was patched
+
+
+def test_a_cached_request_column_the_guard_cannot_rewrite_stops_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    fields = dict(CachedRequestData.__dataclass_fields__)
+    fields["per_request_novelty"] = copy.copy(fields["req_ids"])
+    fields["per_request_novelty"].name = "per_request_novelty"
+    monkeypatch.setattr(CachedRequestData, "__dataclass_fields__", fields)
+    with pytest.raises(GuardUnsupportedError, match=r"CachedRequestData has fields.*novelty"):
+        plugin.apply()
+
+
+def test_a_class_level_block_pool_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    monkeypatch.setattr(KVCacheCoordinator, "block_pool", None, raising=False)
+    with pytest.raises(GuardUnsupportedError, match="block_pool is a class attribute"):
+        plugin.apply()
+
+
+def test_wrappers_keep_the_originals_identity_and_doctor_passes_after_apply() -> None:
+    originals = {t.name: Scheduler.__dict__[t.name] for t in targets.SCHEDULER_HOOKS}
+    plugin.apply()
+    for name, original in originals.items():
+        wrapper = Scheduler.__dict__[name]
+        assert wrapper is not original and wrapper.__wrapped__ is original
+        assert wrapper.__qualname__ == original.__qualname__
+        assert wrapper.__doc__ == original.__doc__
+        assert inspect.signature(wrapper) == inspect.signature(original)
+    failed = [c for c in run_checks(self_test=False) if c.failed]
+    assert failed == []
+
+
+@pytest.mark.parametrize("hook", targets.SCHEDULER_HOOKS[1:], ids=lambda i: i.name)
+def test_wrappers_run_the_original_on_a_scheduler_without_a_ledger(
+    monkeypatch: pytest.MonkeyPatch, hook: Internal
+) -> None:
+    """vLLM's own tests call scheduler methods with stand-in objects (no ``__init__`` of
+    ours ever ran); the wrapper must behave exactly like the original there."""
+    calls: list[tuple[Any, ...]] = []
+
+    @functools.wraps(Scheduler.__dict__[hook.name])  # same signature: the checks pass
+    def original(self: Any, *args: Any, **kwargs: Any) -> str:
+        calls.append((self, *args))
+        return "original"
+
+    monkeypatch.setattr(Scheduler, hook.name, original)
+    plugin.apply()
+    try:
+        stand_in = types.SimpleNamespace()
+        assert not hasattr(stand_in, LEDGER_ATTR)
+        arguments = [object() for _ in hook.params]
+        assert getattr(Scheduler, hook.name)(stand_in, *arguments) == "original"
+        assert calls == [(stand_in, *arguments)]
+    finally:
+        plugin.undo()  # before monkeypatch restores vLLM's method under the wrapper
