@@ -83,3 +83,31 @@ def test_same_step_dependent_of_rollback_recomputes(mode: str) -> None:
     assert ledger is not None
     assert ledger.stats.dependents_preempted == 1 and ledger.is_idle
     assert scheduler.requests == {}  # both finished after recomputing
+
+
+def test_a_dependent_of_a_dependent_is_withdrawn_in_the_same_step(mode: str) -> None:
+    """Withdrawing a dependent rolls back its own fresh blocks, which a third request in
+    the same step may have hit: it is withdrawn too, in that step, and no contested block
+    id is left over for the next step (where it could name a block reused since)."""
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=1024)
+    driver = Driver(scheduler)
+    prompt = list(range(1, 65))
+    first_suffix = list(range(1000, 1032))
+    second_suffix = list(range(2000, 2032))
+    driver.add(make_request("writer", prompt, max_tokens=4))
+    driver.add(make_request("reader", prompt + first_suffix, max_tokens=4))
+    driver.add(make_request("reader2", prompt + first_suffix + second_suffix, max_tokens=4))
+    preempt_writer_after_waiting_loop(scheduler, "writer")
+    output = driver.schedule()
+    if mode == "stock":
+        driver.run()
+        assert driver.kv.counts[NEVER_WRITTEN] > 0
+        return
+    ledger = ledger_of(scheduler)
+    assert ledger is not None
+    assert set(output.num_scheduled_tokens) == set()  # all three recompute from scratch
+    assert not ledger.has_contested_blocks
+    assert ledger.stats.dependents_preempted == 2
+    driver.run()
+    assert driver.violations == 0 and ledger.is_idle
+    assert scheduler.requests == {}
