@@ -201,3 +201,23 @@ def test_pool_replaced_after_construction_is_grafted(guard: None) -> None:
     assert isinstance(pool, ReplacementPool) and isinstance(pool, PrefixGuardPool)
     ledger = ledger_of(scheduler)
     assert ledger is not None and ledger.pool is pool
+
+
+def test_a_partial_key_registered_again_since_is_not_rolled_back() -> None:
+    """Records are told apart by identity: the block lost its keys and got equal ones again
+    (a later registration, written by then); rolling back the old record must not take it."""
+    pool, ledger = guarded_pool()
+    request = make_request("r", list(range(1, 33)))
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
+    ledger.begin_step()
+    recorded = pool.cache_partial_block(request, block, 16, 0, 32)
+    ledger.dispatch_step(output := object())
+    pool.evict_blocks({block.block_id})
+    pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
+    again = pool.cache_partial_block(request, block, 16, 0, 32)
+    assert again == recorded and again is not recorded
+    assert ledger.rollback_failed_loads(output, {block.block_id}) == {"r": {block.block_id}}
+    assert pool.cached_block_hash_to_block.contain(again, block.block_id)
+    assert ledger.stats.stale_entries_skipped == 1
+    assert ledger.stats.rolled_back_kv_load_failure == 0

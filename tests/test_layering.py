@@ -1,0 +1,119 @@
+"""How the package is put together: imports form no cycle, data flows hook -> ledger -> pool,
+the guard never loads its diagnostics, and no module touches another module's private state.
+
+Read from the source with ``ast``: no vLLM needed.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from vllm_prefix_guard import targets
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vllm_prefix_guard"
+CORE = sorted(p for p in PACKAGE.glob("*.py"))
+#: vLLM's own private names the guard uses on purpose (each checked at start-up); a
+#: wrapper named after one is no private state of the module defining it.
+VLLM_INTERNALS = {internal.name for internal in targets.INTERNALS}
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Project modules ``path`` imports when it is imported (function bodies excluded)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "vllm_prefix_guard":
+                found |= {f"vllm_prefix_guard.{alias.name}" for alias in node.names}
+            elif node.module.startswith("vllm_prefix_guard"):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("vllm_prefix_guard")}
+    return {
+        name
+        for name in found
+        if (PACKAGE.parent / name.replace(".", "/")).exists()
+        or (PACKAGE.parent / (name.replace(".", "/") + ".py")).exists()
+    }
+
+
+def test_core_imports_form_no_cycle() -> None:
+    graph = {module_name(p): top_level_imports(p) - {module_name(p)} for p in CORE}
+    visiting: set[str] = set()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        assert node not in visiting, " -> ".join([*path, node])
+        if node in done or node not in graph:
+            return
+        visiting.add(node)
+        for target in graph[node]:
+            visit(target, [*path, node])
+        visiting.discard(node)
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+
+
+def test_data_flows_hook_to_ledger_to_pool() -> None:
+    imports = {module_name(p).rpartition(".")[2]: top_level_imports(p) for p in CORE}
+    assert "vllm_prefix_guard.ledger" not in imports["pool"]
+    assert "vllm_prefix_guard.hooks" not in imports["pool"] | imports["ledger"]
+    assert "vllm_prefix_guard.plugin" not in imports["hooks"]
+
+
+def test_the_guard_never_imports_its_diagnostics_at_import_time() -> None:
+    for path in CORE:
+        bad = {m for m in top_level_imports(path) if m.startswith("vllm_prefix_guard.diagnostics")}
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and _is_private(node.name):
+            names.add(node.name)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and _is_private(node.attr)
+        ):
+            names.add(node.attr)
+    return names
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _foreign_private_reads(tree: ast.AST, names: set[str]) -> Iterator[str]:
+    """``obj._name`` where ``_name`` is another module's private and ``obj`` is not ``self``."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in names
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            yield f"line {node.lineno}: .{node.attr}"
+
+
+def test_no_module_reaches_into_another_modules_private_state() -> None:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    trees = {path: ast.parse(path.read_text()) for path in paths}
+    defined = {path: _private_names_defined(tree) for path, tree in trees.items()}
+    for path, tree in trees.items():
+        others = set().union(*(names for p, names in defined.items() if p != path))
+        foreign = others - defined[path] - VLLM_INTERNALS
+        reads = list(_foreign_private_reads(tree, foreign))
+        assert not reads, f"{path.relative_to(PACKAGE)}: {reads}"
