@@ -22,14 +22,21 @@ os.environ.setdefault(
 )
 
 from vllm_prefix_guard import plugin
+from vllm_prefix_guard.metrics import RUN_DIR_ENV
 
 
 @pytest.fixture(autouse=True)
 def _stock_between_tests() -> Iterator[None]:
-    """Every test starts and ends on stock vLLM, whatever it did in between."""
+    """Every test starts and ends on stock vLLM, whatever it did in between (a test that
+    registers the plugin also leaves no run directory behind for later schedulers)."""
     plugin.undo()
+    run_dir = os.environ.get(RUN_DIR_ENV)
     yield
     plugin.undo()
+    if run_dir is None:
+        os.environ.pop(RUN_DIR_ENV, None)
+    else:
+        os.environ[RUN_DIR_ENV] = run_dir
 
 
 @pytest.fixture(params=["stock", "guard"])

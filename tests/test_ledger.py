@@ -90,23 +90,3 @@ def test_ledger_is_bounded_and_empty_when_idle(guard: None, async_scheduling: bo
             driver.complete()
     assert ledger.is_idle and driver.violations == 0
     assert 0 < ledger.stats.peak_uncommitted_entries <= driver.depth * per_step_peak
-
-
-def test_counters_reach_the_stats_file_while_running_and_at_shutdown(
-    guard: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
-    import json
-
-    from vllm_prefix_guard.hooks import STATS_FILE_ENV
-
-    path = tmp_path / "guard-stats.json"
-    monkeypatch.setenv(STATS_FILE_ENV, str(path))
-    driver, ledger = guarded_driver(num_blocks=40)
-    driver.add(make_request("a", list(range(1, 65)), max_tokens=4))
-    driver.step()
-    assert json.loads(path.read_text())["steps_committed"] == 1  # first step writes
-    driver.run()
-    driver.scheduler.shutdown()
-    final = json.loads(path.read_text())
-    assert final["steps_committed"] == ledger.stats.steps_committed > 1
-    assert final["registrations_tracked"] == ledger.stats.registrations_tracked

@@ -9,7 +9,7 @@
                                     pause recording: its registrations are confirmed
     Scheduler.update_from_output    roll back failed KV loads, run, then commit the step
     Scheduler.reset_prefix_cache    drop every bucket once the pool was reset
-    Scheduler.shutdown              one summary line with the counters (+ JSON file)
+    Scheduler.shutdown              one summary line with the counters, last JSON write
 
 Data flows one way: hook -> ledger -> pool. Each wrapper carries the original's name,
 docstring and ``__wrapped__`` (``functools.wraps``), and on a scheduler without a ledger
@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from vllm_prefix_guard import recovery
+from vllm_prefix_guard import metrics, recovery
 from vllm_prefix_guard.ledger import StepLedger
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.patching import PatchRegistry
 from vllm_prefix_guard.pool import graft
-from vllm_prefix_guard.stats import StatsFile
+from vllm_prefix_guard.stats import STATS_FILE_ENV, StatsPublisher, stats_file_path
 from vllm_prefix_guard.targets import COORDINATOR, SCHEDULER, SCHEDULER_HOOKS, resolve
 
 LEDGER_ATTR = "_prefix_guard_ledger"
-STATS_FILE_ATTR = "_prefix_guard_stats_file"
-STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
+PUBLISHER_ATTR = "_prefix_guard_publisher"
 
 AnyFn = Callable[..., Any]
 
@@ -53,10 +53,47 @@ def attach_ledger(scheduler: Any) -> StepLedger | None:
     pool = graft(manager.block_pool)  # normally grafted already, on assignment
     ledger = StepLedger(pool)
     setattr(scheduler, LEDGER_ATTR, ledger)
-    path = os.environ.get(STATS_FILE_ENV)
-    if path:
-        setattr(scheduler, STATS_FILE_ATTR, StatsFile(path))
+    publisher = make_publisher(scheduler, ledger)
+    if publisher is not None:
+        setattr(scheduler, PUBLISHER_ATTR, publisher)
+        publisher.start()
     return ledger
+
+
+def engine_labels(scheduler: Any) -> tuple[str, int, int]:
+    """``(model_name, engine index, engine count)`` as vLLM labels its own metrics; a
+    vLLM that moved these reports ``unknown``/0 rather than failing (reporting only)."""
+    config = getattr(scheduler, "vllm_config", None)
+    model = getattr(getattr(config, "model_config", None), "served_model_name", None)
+    parallel = getattr(config, "parallel_config", None)
+    engine = getattr(parallel, "data_parallel_rank", 0)
+    engines = getattr(parallel, "data_parallel_size", 1)
+    if isinstance(model, (list, tuple)):
+        model = model[0] if model else None
+    return (str(model) if model else "unknown"), int(engine or 0), int(engines or 1)
+
+
+def make_publisher(scheduler: Any, ledger: StepLedger) -> StatsPublisher | None:
+    """The engine's counter files: its ``/metrics`` file in the run directory and the
+    operator's stats file, if either is set up; None otherwise."""
+    model, engine, engines = engine_labels(scheduler)
+    paths = []
+    directory = metrics.run_dir()
+    if directory is not None:
+        paths.append(metrics.engine_file(directory, engine))
+    template = os.environ.get(STATS_FILE_ENV, "").strip()
+    if template:
+        paths.append(stats_file_path(template, engine, engines))
+    if not paths:
+        return None
+    # A weak reference: the thread ends with the scheduler, it never keeps it alive.
+    counters = weakref.WeakMethod(ledger.counters)
+
+    def read() -> dict[str, int] | None:
+        method = counters()
+        return None if method is None else method()
+
+    return StatsPublisher(read, paths, {"model_name": model, "engine": str(engine)})
 
 
 # -- wrappers (each takes the original and returns the replacement) ------------------
@@ -132,9 +169,6 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
         if undone:
             recovery.preempt_failed_load_sharers(self, scheduler_output, ledger, undone)
         ledger.commit_step(scheduler_output)
-        stats_file: StatsFile | None = getattr(self, STATS_FILE_ATTR, None)
-        if stats_file is not None:
-            stats_file.maybe_write(ledger.counters)
         return result
 
     return update_from_output
@@ -155,10 +189,15 @@ def wrap_reset_prefix_cache(original: AnyFn) -> AnyFn:
 def wrap_shutdown(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = ledger_of(self)
-        if ledger is not None:
-            report_counters(ledger, getattr(self, STATS_FILE_ATTR, None))
-        return original(self, *args, **kwargs)
+        try:
+            ledger = ledger_of(self)
+            if ledger is not None:
+                report_counters(ledger, getattr(self, PUBLISHER_ATTR, None))
+        except Exception:  # reporting never stops vLLM's own shutdown
+            logger().exception("vllm-prefix-guard: reporting the counters at shutdown failed")
+        finally:
+            result = original(self, *args, **kwargs)
+        return result
 
     return shutdown
 
@@ -210,11 +249,11 @@ def install(registry: PatchRegistry) -> list[str]:
     return patched
 
 
-def report_counters(ledger: StepLedger, stats_file: StatsFile | None) -> None:
-    """One INFO line with the counters, and a last write of the stats file if any."""
+def report_counters(ledger: StepLedger, publisher: StatsPublisher | None) -> None:
+    """The counters' last write to their files, then one INFO line with them."""
+    if publisher is not None:
+        publisher.close()
     counters = ledger.counters()
     logger().info(
         "vllm-prefix-guard counters: %s", " ".join(f"{k}={v}" for k, v in counters.items())
     )
-    if stats_file is not None:
-        stats_file.write(counters)

@@ -118,8 +118,9 @@ class StepLedger:
 
     @property
     def uncommitted_entries(self) -> int:
-        """Entries of steps dispatched but not committed (O(steps in flight))."""
-        return sum(bucket.size for _, bucket in self._dispatched.values())
+        """Entries of steps dispatched but not committed (O(steps in flight)). Safe to read
+        from another thread: the buckets are listed in one step under the GIL."""
+        return sum(bucket.size for _, bucket in list(self._dispatched.values()))
 
     @property
     def is_idle(self) -> bool:

@@ -49,9 +49,20 @@ def enabled_by_env(environ: Any = None) -> bool:
 
 
 def register() -> None:
-    """Entry point for ``vllm.general_plugins``; idempotent and re-entrant."""
-    if enabled_by_env():
-        apply()
+    """Entry point for ``vllm.general_plugins``; idempotent and re-entrant.
+
+    Raises:
+        GuardConfigError: a guard setting is not understood (``VLLM_PREFIX_GUARD``) or
+            points nowhere (``VLLM_PREFIX_GUARD_STATS_FILE``).
+        GuardUnsupportedError: the guard is on and this vLLM lacks an internal it needs.
+    """
+    if not enabled_by_env():
+        return
+    from vllm_prefix_guard import metrics, stats
+
+    stats.check_stats_file_setting()
+    metrics.ensure_run_dir()
+    apply()
 
 
 def apply() -> list[str]:
@@ -64,7 +75,7 @@ def apply() -> list[str]:
         GuardUnsupportedError: an internal is missing or changed; nothing was patched.
     """
     global _registry, _patched, _skipped_for_upstream
-    from vllm_prefix_guard import hooks, targets
+    from vllm_prefix_guard import hooks, metrics, targets
 
     with _lock:
         if _registry is not None:
@@ -86,14 +97,23 @@ def apply() -> list[str]:
         registry = PatchRegistry()
         try:
             patched = hooks.install(registry)
+            exported = metrics.install(registry)
         except BaseException:
             registry.undo_all()
             raise
-        _registry, _patched = registry, patched
+        _registry, _patched = registry, patched + exported
         log = logger()
-        for name in patched:
+        for name in _patched:
             log.info("vllm-prefix-guard %s: patched %s (vLLM %s)", __version__, name, version)
-        return patched
+        if not exported:
+            log.warning(
+                "vllm-prefix-guard: this vLLM has no %s.%s; the guard's counters are not on "
+                "/metrics (they are in the shutdown log line and in %s if set).",
+                metrics.PROMETHEUS_MODULE,
+                metrics.REGISTRY_FUNCTION,
+                "VLLM_PREFIX_GUARD_STATS_FILE",
+            )
+        return list(_patched)
 
 
 def undo() -> None:

@@ -1,0 +1,213 @@
+"""The guard's counters on vLLM's own ``/metrics``, one series per engine.
+
+The counters live in each EngineCore (one per data-parallel rank); ``/metrics`` is served
+by the API server process(es). vLLM has no channel between the two for a plugin (its
+``SchedulerStats`` drops extra fields), so the guard uses the simplest one that cannot
+disturb vLLM's own metrics:
+
+- the first process that loads the plugin (the API server, or ``vllm serve``'s launcher
+  with several API servers or data parallelism) makes a run directory and exports its
+  path in :data:`RUN_DIR_ENV`, which every process it starts inherits;
+- each EngineCore's :class:`~vllm_prefix_guard.stats.StatsPublisher` keeps
+  ``engine-<rank>.json`` there current (a background thread; nothing on the step path);
+- in the API server, :class:`GuardCollector` reads those files when ``/metrics`` is
+  scraped. It is added to whichever registry vLLM serves (its own default registry, or
+  the multiprocess one vLLM builds with several API servers) by wrapping vLLM's
+  ``get_prometheus_registry``; vLLM's own metrics are untouched.
+
+Names follow vLLM's (``vllm:`` prefix, counters exported with ``_total``) and so do the
+labels (``model_name``, ``engine``). A scrape never raises: an unreadable file is
+skipped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from vllm_prefix_guard.log import logger
+from vllm_prefix_guard.patching import PatchRegistry
+
+#: The run directory the engines and the API servers of one server share.
+RUN_DIR_ENV = "VLLM_PREFIX_GUARD_RUN_DIR"
+PROMETHEUS_MODULE = "vllm.v1.metrics.prometheus"
+REGISTRY_FUNCTION = "get_prometheus_registry"
+
+#: (metric name, type, help, counter key or (label value -> counter key) for ``cause``)
+COUNTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "vllm:prefix_guard_registrations_tracked",
+        "registrations_tracked",
+        "Prefix-cache registrations made for tokens a step is about to compute, tracked "
+        "by the guard until the step's output commits them.",
+    ),
+    (
+        "vllm:prefix_guard_steps_committed",
+        "steps_committed",
+        "Scheduler steps whose registrations were committed.",
+    ),
+    (
+        "vllm:prefix_guard_stale_records_skipped",
+        "stale_entries_skipped",
+        "Rollback records skipped because their block had been evicted or re-registered.",
+    ),
+    (
+        "vllm:prefix_guard_dependents_preempted",
+        "dependents_preempted",
+        "Requests preempted to recompute because they counted rolled-back blocks as computed.",
+    ),
+)
+ROLLBACKS = "vllm:prefix_guard_rollbacks"
+ROLLBACK_CAUSES = {
+    "preempted": "rolled_back_preempted",
+    "kv_load_failure": "rolled_back_kv_load_failure",
+    "dropped_step": "rolled_back_dropped_step",
+}
+UNCOMMITTED = "vllm:prefix_guard_uncommitted_entries"
+LABELS = ("model_name", "engine")
+
+
+def run_dir() -> str | None:
+    return os.environ.get(RUN_DIR_ENV) or None
+
+
+def ensure_run_dir() -> str:
+    """The run directory of this server, made (and exported) by the first process."""
+    existing = run_dir()
+    if existing is not None:
+        return existing
+    made = tempfile.mkdtemp(prefix="vllm-prefix-guard-")
+    os.environ[RUN_DIR_ENV] = made
+    creator = os.getpid()
+
+    def remove() -> None:  # only by the process that made it, never by a forked child
+        if os.getpid() == creator:
+            shutil.rmtree(made, ignore_errors=True)
+
+    atexit.register(remove)
+    return made
+
+
+def engine_file(directory: str, engine: int) -> str:
+    return os.path.join(directory, f"engine-{engine}.json")
+
+
+class GuardCollector:
+    """A Prometheus collector over the engines' files in the run directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def describe(self) -> list[Any]:
+        return []  # no fixed description: registration never scrapes
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        documents = list(self._documents())
+        for name, key, help_text in COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=LABELS)
+            for labels, counters in documents:
+                family.add_metric(labels, counters.get(key, 0))
+            yield family
+        rollbacks = CounterMetricFamily(
+            ROLLBACKS,
+            "Prefix-cache registrations the guard removed before any request could hit them, "
+            "by cause: the request was preempted in the same schedule() call, its KV load "
+            "failed, or its step never came back.",
+            labels=(*LABELS, "cause"),
+        )
+        uncommitted = GaugeMetricFamily(
+            UNCOMMITTED,
+            "Registrations of steps in flight, not yet committed.",
+            labels=LABELS,
+        )
+        for labels, counters in documents:
+            for cause, key in ROLLBACK_CAUSES.items():
+                rollbacks.add_metric([*labels, cause], counters.get(key, 0))
+            uncommitted.add_metric(labels, counters.get("uncommitted_entries", 0))
+        yield rollbacks
+        yield uncommitted
+
+    def _documents(self) -> Iterator[tuple[list[str], dict[str, int]]]:
+        try:
+            paths = sorted(self.directory.glob("engine-*.json"))
+        except OSError:
+            return
+        for path in paths:
+            try:
+                document = json.loads(path.read_text())
+                labels = [str(document["model_name"]), str(document["engine"])]
+                counters = {k: int(v) for k, v in document["counters"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+            yield labels, counters
+
+
+_served: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def add_collector(registry: Any) -> None:
+    """Add the guard's collector to ``registry`` once; never raise (reporting only)."""
+    directory = run_dir()
+    if directory is None or registry in _served:
+        return
+    try:
+        registry.register(GuardCollector(directory))
+        _served.add(registry)
+    except Exception as exc:  # vLLM serves on without the guard's series
+        logger().warning("vllm-prefix-guard: /metrics will not show the guard (%s)", exc)
+
+
+def wrap_get_prometheus_registry(original: Callable[[], Any]) -> Callable[[], Any]:
+    import functools
+
+    @functools.wraps(original)
+    def get_prometheus_registry(*args: Any, **kwargs: Any) -> Any:
+        registry = original(*args, **kwargs)
+        add_collector(registry)
+        return registry
+
+    return get_prometheus_registry
+
+
+def install(registry: PatchRegistry) -> list[str]:
+    """Serve the guard's series on ``/metrics``: wrap vLLM's registry function where it is
+    defined and in every module that already imported it by name.
+
+    Returns:
+        The patched targets' names (none if this vLLM has no such function: the counters
+        then stay in the files and the shutdown line, and ``doctor`` says so).
+    """
+    module = sys.modules.get(PROMETHEUS_MODULE)
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module(PROMETHEUS_MODULE)
+        except ImportError:
+            return []
+    original = getattr(module, REGISTRY_FUNCTION, None)
+    if not callable(original):
+        return []
+    patched = []
+    # vars(), not getattr(): a lazy module's __getattr__ must not run (or import) here.
+    holders = [module] + [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("vllm.")
+        and m is not module
+        and vars(m).get(REGISTRY_FUNCTION) is original
+    ]
+    for holder in holders:
+        registry.apply(holder, REGISTRY_FUNCTION, wrap_get_prometheus_registry)
+        patched.append(f"{holder.__name__}.{REGISTRY_FUNCTION}")
+    return patched

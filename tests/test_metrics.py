@@ -1,0 +1,93 @@
+"""The guard's series on the registry vLLM serves at ``/metrics``, one per engine.
+
+The end-to-end proof (real ``api_server``, DP=1, DP=2, two API servers) is
+``tests/e2e/test_metrics_endpoint.py``; these pin the pieces on the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_prefix_guard import metrics, plugin
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("vllm:prefix_guard")
+    }
+
+
+def write_engine(directory: Path, engine: int, **counters: int) -> None:
+    (directory / f"engine-{engine}.json").write_text(
+        json.dumps({"model_name": "m", "engine": str(engine), "counters": counters})
+    )
+
+
+def test_one_series_per_engine_with_vllm_labels(tmp_path: Path) -> None:
+    write_engine(tmp_path, 0, registrations_tracked=7, rolled_back_preempted=2)
+    write_engine(tmp_path, 1, registrations_tracked=5, rolled_back_kv_load_failure=3)
+    (tmp_path / "engine-2.json").write_text("{not json")  # a torn file is skipped
+    registry = CollectorRegistry()
+    registry.register(metrics.GuardCollector(str(tmp_path)))
+    samples = scrape(registry)
+    engine0 = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:prefix_guard_registrations_tracked_total", engine0)] == 7
+    rollbacks = {
+        (labels, value)
+        for (name, labels), value in samples.items()
+        if name == "vllm:prefix_guard_rollbacks_total" and value
+    }
+    assert rollbacks == {
+        ((("cause", "preempted"), *engine0), 2),
+        ((("cause", "kv_load_failure"), ("engine", "1"), ("model_name", "m")), 3),
+    }
+    assert samples[("vllm:prefix_guard_uncommitted_entries", engine0)] == 0
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_the_registry_vllm_serves_carries_the_guard(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, multiprocess: bool
+) -> None:
+    """One API server (vLLM's default registry) and several (a multiprocess registry
+    built per app): either way the registry vLLM mounts at /metrics has the guard."""
+    from vllm.v1.metrics import prometheus
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setenv(metrics.RUN_DIR_ENV, str(run_dir))
+    if multiprocess:
+        prom_dir = tmp_path / "prom"
+        prom_dir.mkdir()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom_dir))
+    plugin.register()
+    scheduler = make_scheduler(num_blocks=40)
+    driver = Driver(scheduler)
+    driver.add(make_request("a", list(range(1, 65)), max_tokens=4))
+    driver.run()
+    scheduler.shutdown()  # the last write
+    registry = prometheus.get_prometheus_registry()
+    try:
+        samples = scrape(registry)
+        tracked = [
+            value
+            for (name, _), value in samples.items()
+            if name == "vllm:prefix_guard_registrations_tracked_total"
+        ]
+        assert tracked and tracked[0] > 0
+    finally:
+        if not multiprocess:
+            for collector in list(registry._collector_to_names):
+                if isinstance(collector, metrics.GuardCollector):
+                    registry.unregister(collector)
