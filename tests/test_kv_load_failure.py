@@ -86,8 +86,11 @@ def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
     driver.add(make_request("r", prompt, max_tokens=4))
     failing = driver.schedule()
     following = driver.schedule()
-    assert failing.num_scheduled_tokens == {"r": 32}  # blocks 3-4, over the invalid prefix
-    assert following.num_scheduled_tokens == {"r": 16}  # block 5, likewise
+    # Blocks 3-4 (vLLM >= 0.31 lifts long_prefill_token_threshold for a lone request) or
+    # block 3 only (vLLM 0.30 caps it), over the invalid prefix; then one more block.
+    assert failing.num_scheduled_tokens["r"] in (16, 32)
+    assert following.num_scheduled_tokens == {"r": 16}
+    computed_blocks = (failing.num_scheduled_tokens["r"] + 16) // 16
     driver.complete()
     driver.add(make_request("s", prompt, max_tokens=4))
     driver.run()
@@ -97,7 +100,9 @@ def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
         return
     assert driver.violations == 0
     ledger = ledger_of(scheduler)
-    assert ledger is not None and ledger.stats.rolled_back_kv_load_failure == 6
+    # The three loaded blocks and every block computed on top of them.
+    assert ledger is not None
+    assert ledger.stats.rolled_back_kv_load_failure == 3 + computed_blocks
 
 
 def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:

@@ -179,9 +179,13 @@ def test_fresh_process_needs_only_the_environment() -> None:
     import sys
 
     code = (
-        "from vllm.config.logging import LoggingConfig\n"
-        "from vllm.logger import configure_logging\n"
-        "configure_logging(LoggingConfig())\n"
+        "try:\n"
+        "    from vllm.config.logging import LoggingConfig\n"
+        "    from vllm.logger import configure_logging\n"
+        "except ImportError:\n"  # vLLM 0.30: vllm.logger configures itself on import
+        "    import vllm.logger\n"
+        "else:\n"
+        "    configure_logging(LoggingConfig())\n"
         "import vllm.plugins\n"
         "vllm.plugins.load_general_plugins()\n"
         "from vllm_prefix_guard import plugin\n"

