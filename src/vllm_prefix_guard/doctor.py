@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass
 from importlib.metadata import entry_points
 
-from vllm_prefix_guard import __version__, plugin, targets
+from vllm_prefix_guard import __version__, kvcached_support, plugin, targets
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.versions import TESTED_VLLM_VERSIONS, tested_range
 
@@ -73,6 +73,7 @@ def run_checks(self_test: bool) -> list[Check]:
             else f"{upstream} present: the guard stays out",
         )
     )
+    checks.append(Check("kvcached", INFO, kvcached_support.status().describe()))
     for what, run in targets.all_checks():
         try:
             run()

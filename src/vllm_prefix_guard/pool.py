@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vllm_prefix_guard import targets
+from vllm_prefix_guard import kvcached_support, targets
 
 if TYPE_CHECKING:
     _PoolBase = Any
@@ -46,11 +46,16 @@ class PrefixGuardPool(_PoolBase):
     _guard_request_id: str | None
     # Bumped on every successful reset_prefix_cache (which drops all hashes at once).
     guard_epoch: int
+    # The pool's own evict_blocks does more than drop hashes (kvcached's returns the
+    # block's physical pages): an undone block nobody holds is evicted through it.
+    _guard_evict_releases: bool
 
     def _guard_init_state(self) -> None:
         self._guard_sink = None
         self._guard_request_id = None
         self.guard_epoch = 0
+        native = targets.resolve(targets.BLOCK_POOL, "BlockPool").evict_blocks
+        self._guard_evict_releases = type(self).evict_blocks is not native
 
     # -- recording -------------------------------------------------------------------
 
@@ -117,6 +122,9 @@ class PrefixGuardPool(_PoolBase):
             evicted, possibly re-registered with an equal key since) or already undone.
         """
         if block.block_hash is key:
+            if block.ref_cnt == 0 and self._guard_evict_releases:
+                self.evict_blocks({block.block_id})
+                return True
             removed = self._remove_cached_block_hashes(block)
         else:
             block_id = block.block_id
@@ -137,24 +145,31 @@ class PrefixGuardPool(_PoolBase):
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
-def missing_internals(pool: Any) -> list[str]:
-    """Names of the pool internals (:data:`targets.POOL_INTERNALS`) ``pool`` lacks."""
-    index = getattr(pool, "cached_block_hash_to_block", None)
+def missing_pool_internals(pool: Any) -> list[str]:
+    """Names of the pool internals (:data:`targets.POOL_INTERNALS`) ``pool`` lacks.
+
+    ``pool`` is a live pool (attributes looked up on it) or a pool class (instance
+    attributes read from its constructors, as the start-up checks do).
+    """
+    is_class = isinstance(pool, type)
+    index = None if is_class else getattr(pool, "cached_block_hash_to_block", None)
     missing = []
     for internal in targets.POOL_INTERNALS:
-        owner = internal.owner
+        owner, name = internal.owner, internal.name
         if owner == "BlockPool":
-            present = hasattr(pool, internal.name)
-        elif owner == "BlockHashToBlockMap":
-            present = index is not None and hasattr(index, internal.name)
-        else:  # blocks: checked on vLLM's class at start-up
+            present = (
+                targets.has_instance_attribute(pool, name) if is_class else hasattr(pool, name)
+            )
+        elif owner == "BlockHashToBlockMap" and not is_class:
+            present = index is not None and hasattr(index, name)
+        else:  # blocks and the index's class: checked on vLLM's classes at start-up
             continue
         if not present:
             missing.append(internal.path)
     return missing
 
 
-def graft(pool: Any, fresh: bool = False, hint: str = "") -> Any:
+def graft(pool: Any, fresh: bool = False) -> Any:
     """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
 
     One guarded class is built per base class, so ``type(pool).__mro__`` reads
@@ -169,7 +184,6 @@ def graft(pool: Any, fresh: bool = False, hint: str = "") -> Any:
             ``__class__`` is reassigned, which slows every later access (measured: about
             1% of a scheduler step). Otherwise (a pool others already share, e.g.
             kvcached's replacement) the class is swapped in place, identity preserved.
-        hint: appended to the error, e.g. what the pool is and where it comes from.
 
     Raises:
         GuardUnsupportedError: the pool lacks an internal the guard relies on.
@@ -177,12 +191,12 @@ def graft(pool: Any, fresh: bool = False, hint: str = "") -> Any:
     if isinstance(pool, PrefixGuardPool):
         return pool
     base = type(pool)
-    missing = missing_internals(pool)
+    missing = missing_pool_internals(pool)
     if missing:
         raise targets.unsupported(
             f"the KV-cache block pool {base.__module__}.{base.__qualname__}",
             f"has no {', '.join(missing)}",
-            hint,
+            kvcached_support.refusal_hint(base),
         )
     guarded = _GUARDED_CLASSES.get(base)
     if guarded is None:

@@ -121,6 +121,7 @@ POOL_INTERNALS: tuple[Internal, ...] = (
     _callable(BLOCK_POOL, "BlockPool._remove_cached_block_hashes", _POOL, "block"),
     _callable(BLOCK_POOL, "BlockPool._emit_block_removed_events", _POOL, "block_hashes"),
     _callable(BLOCK_POOL, "BlockPool.reset_prefix_cache", _POOL),
+    _callable(BLOCK_POOL, "BlockPool.evict_blocks", _POOL, "block_ids"),
     *_attributes(
         BLOCK_POOL,
         "BlockPool",
