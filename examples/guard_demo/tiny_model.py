@@ -235,3 +235,10 @@ def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
 def weights_digest(path: str | os.PathLike[str]) -> str:
     """SHA-256 of the weights file; lets tests assert the generator is deterministic."""
     return hashlib.sha256((Path(path) / "model.safetensors").read_bytes()).hexdigest()
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python examples/guard_demo/tiny_model.py [DIR]: the quick-start's model, no hub needed.
+    print(generate_tiny_model(sys.argv[1] if len(sys.argv) > 1 else default_model_dir()))
