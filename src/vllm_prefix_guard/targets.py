@@ -290,10 +290,10 @@ def has_instance_attribute(cls: type, name: str) -> bool:
     or stored by a constructor in the MRO (read from its bytecode)."""
     if name in declared_fields(cls) or inspect.getattr_static(cls, name, None) is not None:
         return True
-    return any(name in _constructor_stores(klass) for klass in cls.__mro__)
+    return any(name in constructor_stores(klass) for klass in cls.__mro__)
 
 
-def _constructor_stores(cls: type) -> frozenset[str]:
+def constructor_stores(cls: type) -> frozenset[str]:
     """Attribute names ``cls.__init__`` itself stores (``self.x = ...``)."""
     init = vars(cls).get("__init__")
     return _stores(init) if init is not None else frozenset()
