@@ -19,7 +19,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-FETCH_HINT = "python scripts/fetch_kvcached.py .nox/kvcached-0.1.6 and KVCACHED_SRC=<that dir>"
+FETCH_HINT = (
+    "set KVCACHED_SRC to the directory python scripts/fetch_kvcached.py .nox/kvcached-0.1.6 "
+    "unpacks it into (nox -s kvcached-vllm-0.30 does both)"
+)
 #: kvcached 0.1.6's engine check admits every vLLM below this one (the gate starts here).
 GATED_FROM = "0.29.0"
 
@@ -53,7 +56,7 @@ def vllm_admitted(src: Path) -> bool:
 def skip_reason() -> str | None:
     src = kvcached_src()
     if src is None:
-        return f"kvcached's source is not available: run {FETCH_HINT}"
+        return f"kvcached's source is not available: {FETCH_HINT}"
     missing = [m for m in ("wrapt", "posix_ipc") if importlib.util.find_spec(m) is None]
     if missing:
         return f"kvcached needs {', '.join(missing)} (pip install wrapt posix_ipc)"
