@@ -1,24 +1,55 @@
 #!/usr/bin/env bash
 # GPU check for vllm-prefix-guard (manual; CI runs on CPU and never runs this).
 #
-# Runs the engine-level reproduction, tests/e2e/test_engine_zombie.py, on vLLM's CUDA wheel with
-# async scheduling on (two steps in flight), which vLLM's CPU backend cannot do. It asserts that
-# stock prefix caching diverges from an engine without prefix caching, and that the guard,
-# applied through its plugin entry point with VLLM_PREFIX_GUARD=1, matches it.
+# Default: runs the engine-level reproduction, tests/e2e/test_engine_zombie.py, on vLLM's CUDA
+# wheel with async scheduling on (two steps in flight), which vLLM's CPU backend cannot do. It
+# asserts that stock prefix caching diverges from an engine without prefix caching, and that the
+# guard, applied through its plugin entry point with VLLM_PREFIX_GUARD=1, matches it.
 #
-# Usage:    scripts/gpu_check.sh [extra pytest args]
+# --kvcached: the same layout and reference check on kvcached's pool, with vLLM 0.30.0 (the
+# release kvcached 0.1.6 admits) and kvcached installed, ENABLE_KVCACHED=1
+# (tests/e2e/test_engine_zombie_kvcached.py). Three engines, each in its own process (kvcached
+# keeps per-process state): no prefix caching (the reference), kvcached alone (C and A read A's
+# never-written block and diverge), kvcached + guard (loaded by vLLM's plugin loader after
+# kvcached patched on import, grafted onto kvcached's ElasticBlockPool: everything matches).
+# kvcached on vLLM 0.29-0.30 requires Model Runner V2 (Triton), so this only runs on a GPU; on
+# CPU, tests/kvcached proves the guard on kvcached's pool at scheduler level. Venv for it:
+#   pip install vllm==0.30.0 && pip install --no-build-isolation <kvcached 0.1.6 sdist>
+#   (python scripts/fetch_kvcached.py DIR fetches and checks the sdist; building it needs CUDA)
+#   && pip install -e '.[test]'
+#
+# Usage:    scripts/gpu_check.sh [--kvcached] [--dry-run] [extra pytest args]
+#           --dry-run: run the preflight (reporting, not stopping), print the environment and
+#           the command, run nothing else; works on CPU.
 # Env:      PYTHON             interpreter of the venv with vllm (CUDA) and this project
 #                              installed (default: python)
-#           GPU_CHECK_TIMEOUT  hard limit in seconds (default: 300)
-# Sizing:   one GPU, about a minute on one H200: three in-process engines of a 6 MB float32
-#           model, eager mode, 20 KV blocks each; under 5 minutes including imports.
+#           GPU_CHECK_TIMEOUT  hard limit in seconds (default: 300; 900 with --kvcached)
+# Sizing:   one GPU, about a minute on one H200: three engines of a 6 MB float32 model, eager
+#           mode, 20 KV blocks each; under 5 minutes including imports (in-process engines
+#           by default, one process per engine with --kvcached: about 3 imports more).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python}"
-TIMEOUT="${GPU_CHECK_TIMEOUT:-300}"
+KVCACHED=0
+DRY_RUN=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --kvcached) KVCACHED=1; shift ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        *) break ;;
+    esac
+done
 
-"$PYTHON" scripts/gpu_check.py
+PREFLIGHT=("$PYTHON" scripts/gpu_check.py)
+if [[ $KVCACHED == 1 ]]; then
+    PREFLIGHT+=(--kvcached)
+fi
+if [[ $DRY_RUN == 1 ]]; then
+    "${PREFLIGHT[@]}" || echo "gpu_check: dry run: the preflight above would stop the check here"
+else
+    "${PREFLIGHT[@]}"
+fi
 
 # Offline: the tiny model is generated locally, nothing is downloaded.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -33,5 +64,29 @@ export VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS='{"async_scheduling": true, "gpu_memory
 export VLLM_PREFIX_GUARD_E2E_LOGPROB_ATOL=1e-2
 unset VLLM_PREFIX_GUARD VLLM_PLUGINS
 
-exec timeout --kill-after=30 "$TIMEOUT" \
-    "$PYTHON" -m pytest tests/e2e/test_engine_zombie.py -m e2e -p no:cacheprovider -q -rA "$@"
+if [[ $KVCACHED == 1 ]]; then
+    TIMEOUT="${GPU_CHECK_TIMEOUT:-900}"
+    TESTS=tests/e2e/test_engine_zombie_kvcached.py
+    # kvcached's .pth copies ENABLE_KVCACHED into KVCACHED_AUTOPATCH when vLLM is imported.
+    export ENABLE_KVCACHED=1
+    # kvcached on vLLM 0.30 refuses anything but Model Runner V2: ask for it explicitly.
+    export VLLM_USE_V2_MODEL_RUNNER=1
+    # kvcached's prefix-cache LRU cap (read on import): a small one would trim the preempted
+    # request's blocks on free and hide the zombie. The default (16000 tokens) is far above
+    # the 20 blocks here; pinned so the check does not depend on it.
+    export KVCACHED_MAX_CACHED_TOKENS=100000
+    export VLLM_PREFIX_GUARD_E2E_KVCACHED=1
+else
+    TIMEOUT="${GPU_CHECK_TIMEOUT:-300}"
+    TESTS=tests/e2e/test_engine_zombie.py
+fi
+
+COMMAND=(timeout --kill-after=30 "$TIMEOUT" "$PYTHON" -m pytest "$TESTS" -m e2e -p no:cacheprovider -q -rA "$@")
+if [[ $DRY_RUN == 1 ]]; then
+    env | grep -E '^(ENABLE_KVCACHED|KVCACHED_|VLLM_|HF_HUB_OFFLINE|CUDA_VISIBLE_DEVICES)' | sort
+    printf 'gpu_check: dry run, would run:'
+    printf ' %q' "${COMMAND[@]}"
+    printf '\n'
+    exit 0
+fi
+exec "${COMMAND[@]}"

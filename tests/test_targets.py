@@ -106,6 +106,34 @@ def test_a_class_level_block_pool_stops_start_up(monkeypatch: pytest.MonkeyPatch
         plugin.apply()
 
 
+def test_a_constructor_wrapped_without_functools_wraps_still_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvcached (its ``.pth`` patches during ``import vllm``, before the plugin loads) wraps
+    ``KVCacheCoordinator.__init__`` in a closure without ``__wrapped__``: the attributes
+    vLLM's constructor stores are still found, through the closure."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    original_init = KVCacheCoordinator.__init__
+
+    def _patched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheCoordinator, "__init__", _patched_init)
+    assert not hasattr(_patched_init, "__wrapped__")
+    assert plugin.apply()
+    plugin.undo()
+    # A renamed store behind such a wrapper still stops start-up.
+    renamed = _rename_stores(original_init, "single_type_managers", "managers_renamed")
+
+    def _patched_renamed(self: Any, *args: Any, **kwargs: Any) -> None:
+        renamed(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheCoordinator, "__init__", _patched_renamed)
+    with pytest.raises(GuardUnsupportedError, match="single_type_managers"):
+        plugin.apply()
+
+
 def test_wrappers_keep_the_originals_identity_and_doctor_passes_after_apply() -> None:
     originals = {t.name: Scheduler.__dict__[t.name] for t in targets.SCHEDULER_HOOKS}
     plugin.apply()

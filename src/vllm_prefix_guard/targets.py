@@ -290,16 +290,33 @@ def has_instance_attribute(cls: type, name: str) -> bool:
     or stored by a constructor in the MRO (read from its bytecode)."""
     if name in declared_fields(cls) or inspect.getattr_static(cls, name, None) is not None:
         return True
-    return any(name in _constructor_stores(klass) for klass in cls.__mro__)
+    return any(name in constructor_stores(klass) for klass in cls.__mro__)
 
 
-def _constructor_stores(cls: type) -> frozenset[str]:
+def constructor_stores(cls: type) -> frozenset[str]:
     """Attribute names ``cls.__init__`` itself stores (``self.x = ...``)."""
     init = vars(cls).get("__init__")
-    code = getattr(inspect.unwrap(init), "__code__", None) if init is not None else None
+    return _stores(init) if init is not None else frozenset()
+
+
+def _stores(function: Any, depth: int = 0) -> frozenset[str]:
+    """Attribute names ``function`` stores, and those of the constructor it wraps: found
+    through ``__wrapped__``, or kept in its closure by a wrapper made without
+    ``functools.wraps`` (kvcached's ``KVCacheCoordinator.__init__`` patch keeps vLLM's
+    constructor that way)."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
     if code is None:
         return frozenset()
-    return frozenset(op.argval for op in dis.get_instructions(code) if op.opname == "STORE_ATTR")
+    names = {op.argval for op in dis.get_instructions(code) if op.opname == "STORE_ATTR"}
+    for cell in (function.__closure__ or ()) if depth < 4 else ():
+        try:
+            wrapped = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if inspect.isfunction(wrapped) and wrapped.__name__ == "__init__":
+            names |= _stores(wrapped, depth + 1)
+    return frozenset(names)
 
 
 def check_coordinator() -> Any:

@@ -50,6 +50,7 @@ from guard_demo.compare import (
 from guard_demo.workload import PROMPT_VOCAB
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+from vllm_prefix_guard.hooks import ledger_of
 
 pytestmark = pytest.mark.e2e
 
@@ -112,6 +113,11 @@ class ScenarioRun:
     #: Per ``schedule()`` call, the requests it preempted (external ids).
     preempted: list[set[str]] = field(default_factory=list)
     async_scheduling: bool = False
+    #: The class names of the scheduler's pool, outermost first (vLLM's, or kvcached's, and
+    #: the guard's on top when it grafted one).
+    pool_mro: list[str] = field(default_factory=list)
+    #: The guard's counters for this engine's scheduler, when it had a ledger.
+    guard_counters: dict[str, int] | None = None
 
 
 def run_scenario(model: Path, *, prefix_caching: bool) -> ScenarioRun:
@@ -122,6 +128,8 @@ def run_scenario(model: Path, *, prefix_caching: bool) -> ScenarioRun:
     with _engine(model, prefix_caching=prefix_caching) as engine:
         core = engine.engine_core.engine_core  # InprocClient -> EngineCore
         run.async_scheduling = bool(core.vllm_config.scheduler_config.async_scheduling)
+        pool = core.scheduler.kv_cache_manager.block_pool
+        run.pool_mro = [c.__name__ for c in type(pool).__mro__]
         _trace_preemptions(core.scheduler, run.preempted)
 
         def add(name: str, prompt: list[int], priority: int, max_tokens: int) -> None:
@@ -148,6 +156,8 @@ def run_scenario(model: Path, *, prefix_caching: bool) -> ScenarioRun:
         add("C", a_prompt, priority=0, max_tokens=OUTPUT_TOKENS)
         while engine.has_unfinished_requests():
             step()
+        ledger = ledger_of(core.scheduler)
+        run.guard_counters = ledger.counters() if ledger is not None else None
     return run
 
 

@@ -1,0 +1,595 @@
+"""Every kvcached scenario of one load order, in one interpreter; prints ``RESULT {json}``.
+
+kvcached patches vLLM process-wide with no undo, so each load order needs a fresh
+interpreter; within it, every scenario of that order runs (the tests assert on the JSON).
+
+Usage (repository root on ``PYTHONPATH`` as ``src``, this directory too)::
+
+    KVCACHED_SRC=.nox/kvcached-0.1.6 python -m scenarios ORDER
+
+Orders:
+    guard_first     ``plugin.apply()``, then kvcached's autopatch (imported by hand); the
+                    guarded runs, then the guard undone and the same runs on kvcached alone
+    kvcached_first  the order of a kvcached install: its ``kvcached_autopatch.pth`` ran at
+                    interpreter start (the harness starts this one so) and kvcached patches
+                    during ``import vllm``; ``doctor``, the runs on kvcached alone, then
+                    ``plugin.apply()`` and the guarded runs
+    vllm_pool       started the same way, on a vLLM where kvcached builds its legacy pool
+                    (>= 0.31): ``doctor``; with ``ENABLE_KVCACHED`` unset the guard on vLLM's
+                    own pool; enabled, the refusals
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import kvcached_cpu
+
+# -- what a run reports ---------------------------------------------------------------
+
+
+class Audit:
+    """Counts what reaches the pool's hash index (``BlockHashToBlockMap.insert``, the one
+    place vLLM's ``_insert_block_hash`` and so kvcached's native-index pool add an entry)
+    while a step is open, and what the ledger recorded, pair by pair."""
+
+    current: Audit | None = None
+
+    def __init__(self, scheduler: Any) -> None:
+        from vllm_prefix_guard.hooks import ledger_of
+
+        self.ledger = ledger_of(scheduler)
+        self.inserted_open: list[tuple[Any, int]] = []
+        self.inserted_outside_steps = 0
+        self.recorded: list[tuple[Any, int]] = []
+        pool = scheduler.kv_cache_manager.block_pool
+        self.pool = pool
+        index = pool.cached_block_hash_to_block
+        insert = index.insert
+
+        def audited_insert(key: Any, block: Any) -> None:
+            if self.ledger is not None and self.ledger.open is not None:
+                self.inserted_open.append((key, block.block_id))
+            else:
+                self.inserted_outside_steps += 1
+            insert(key, block)
+
+        index.insert = audited_insert
+        Audit.current = self
+
+    @staticmethod
+    def install_recorder() -> None:
+        from vllm_prefix_guard.ledger import StepBucket
+
+        record = StepBucket.record
+
+        def recording(bucket: Any, request_id: str | None, key: Any, block: Any) -> None:
+            audit = Audit.current
+            if audit is not None:
+                audit.recorded.append((key, block.block_id))
+            record(bucket, request_id, key, block)
+
+        StepBucket.record = recording  # type: ignore[method-assign]
+
+    def report(self) -> dict[str, Any]:
+        pairs = list(zip(self.inserted_open, self.recorded, strict=False))
+        same = len(self.inserted_open) == len(self.recorded) and all(
+            ik is rk and ib == rb for (ik, ib), (rk, rb) in pairs
+        )
+        return {
+            "inserted_while_step_open": len(self.inserted_open),
+            "recorded_by_ledger": len(self.recorded),
+            "each_recorded": same,
+            "inserted_outside_steps": self.inserted_outside_steps,
+            # kvcached's legacy index: stays empty when nothing bypasses vLLM's.
+            "kvcached_legacy_index_entries": len(getattr(self.pool, "_cached_blocks", {})),
+        }
+
+
+def make_scheduler(**kwargs: Any) -> Any:
+    """The factory's scheduler, audited when guarded."""
+    from vllm_prefix_guard.diagnostics import factory
+
+    scheduler = factory.make_scheduler(**kwargs)
+    Audit(scheduler)
+    return scheduler
+
+
+def pool_info(scheduler: Any) -> dict[str, Any]:
+    from vllm.v1.core import block_pool as bp
+
+    from vllm_prefix_guard.hooks import ledger_of
+    from vllm_prefix_guard.pool import PrefixGuardPool
+
+    manager = scheduler.kv_cache_manager
+    pool = manager.block_pool
+    elastic = getattr(bp, "ElasticBlockPool", None)
+    return {
+        "scheduler": type(scheduler).__name__,
+        "pool_mro": [c.__name__ for c in type(pool).__mro__],
+        "is_elastic": elastic is not None and isinstance(pool, elastic),
+        "native_mixin": kvcached_cpu.native_mixin(type(pool)),
+        "grafted": isinstance(pool, PrefixGuardPool),
+        "has_ledger": ledger_of(scheduler) is not None,
+        "shared": pool is manager.coordinator.block_pool
+        and all(m.block_pool is pool for m in manager.coordinator.single_type_managers),
+        "evict_releases": getattr(pool, "_guard_evict_releases", None),
+    }
+
+
+def verdict(driver: Any) -> dict[str, Any]:
+    """What the shadow-KV worker saw, what vLLM reported, what the guard did."""
+    from vllm_prefix_guard.hooks import ledger_of
+
+    ledger = ledger_of(driver.scheduler)
+    audit = Audit.current
+    out: dict[str, Any] = {
+        "violations": driver.violations,
+        "counts": dict(driver.kv.counts),
+        "readers": sorted({v.request_id for v in driver.kv.violations}),
+        "hit_tokens": driver.hit_tokens,
+        "query_tokens": driver.query_tokens,
+        "preemptions": driver.preemptions,
+        "steps": len(driver.outputs),
+        "pool": pool_info(driver.scheduler),
+        "stats": ledger.stats.as_dict() if ledger else None,
+        "idle": ledger.is_idle if ledger else None,
+    }
+    if ledger is not None and audit is not None:
+        out["audit"] = audit.report()
+    return out
+
+
+# -- the runs: the same on kvcached alone and guarded ---------------------------------
+
+
+def zombie(async_scheduling: bool) -> Any:
+    """The shared notes' priority-preemption layout (``diagnostics.selftest``)."""
+    from vllm_prefix_guard.diagnostics import selftest
+
+    original = selftest.make_scheduler
+    selftest.make_scheduler = make_scheduler  # audited, otherwise the factory's
+    try:
+        return selftest.zombie_layout(async_scheduling=async_scheduling)
+    finally:
+        selftest.make_scheduler = original
+
+
+PROMPT = list(range(1, 65))  # 4 blocks; the fake connector holds the first 3
+
+
+def kv_load_sync(policy: str, abort_before_update: bool) -> Any:
+    """``tests/test_kv_load_failure.py::run_failed_load`` on ``Scheduler``."""
+    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+
+    scheduler = make_scheduler(
+        num_blocks=40, kv_load_failure_policy=policy, long_prefill_token_threshold=16
+    )
+    scheduler.connector.external_tokens["r"] = 48
+    scheduler.connector.fail_loads.add("r")
+    driver = Driver(scheduler)
+    driver.add(make_request("r", PROMPT, max_tokens=4))
+    driver.schedule()
+    if abort_before_update:
+        driver.abort("r")
+    driver.complete()
+    driver.add(make_request("s", PROMPT, max_tokens=4))
+    driver.run()
+    return driver
+
+
+def kv_load_async() -> Any:
+    """``AsyncScheduler``, two steps in flight: the step after the failing one computed
+    (and registered) more of the prompt on top of the invalid KV."""
+    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+
+    scheduler = make_scheduler(
+        num_blocks=40,
+        kv_load_failure_policy="recompute",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        async_scheduling=True,
+    )
+    scheduler.connector.external_tokens["r"] = 48
+    scheduler.connector.fail_loads.add("r")
+    driver = Driver(scheduler, depth=2)
+    prompt = list(range(1, 97))
+    driver.add(make_request("r", prompt, max_tokens=4))
+    driver.schedule()
+    driver.schedule()
+    driver.complete()
+    driver.add(make_request("s", prompt, max_tokens=4))
+    driver.run()
+    return driver
+
+
+def fcfs_sync() -> Any:
+    """``tests/test_preemption.py``: FCFS preempts, never an already-scheduled victim."""
+    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+
+    scheduler = make_scheduler(
+        num_blocks=24, max_num_batched_tokens=128, long_prefill_token_threshold=48
+    )
+    driver = Driver(scheduler)
+    prefix = list(range(1, 97))
+    for i in range(8):
+        driver.add(make_request(f"r{i}", prefix + [500 + i] * (16 + 8 * i), max_tokens=12))
+    driver.run()
+    return driver
+
+
+def fcfs_async() -> Any:
+    """``AsyncScheduler``, two steps in flight, victims with a step still executing."""
+    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+
+    scheduler = make_scheduler(
+        num_blocks=28,
+        max_num_batched_tokens=96,
+        long_prefill_token_threshold=32,
+        async_scheduling=True,
+    )
+    driver = Driver(scheduler, depth=2)
+    prefix = list(range(1, 65))
+    for i in range(10):
+        driver.add(make_request(f"r{i}", prefix + [700 + i] * (8 + 8 * i), max_tokens=24))
+    driver.run()
+    return driver
+
+
+RUNS: dict[str, Callable[[], Any]] = {
+    "zombie_sync": lambda: zombie(False),
+    "zombie_async": lambda: zombie(True),
+    "kv_load_sync_recompute": lambda: kv_load_sync("recompute", False),
+    "kv_load_sync_fail_aborted": lambda: kv_load_sync("fail", True),
+    "kv_load_async": kv_load_async,
+    "fcfs_sync": fcfs_sync,
+    "fcfs_async": fcfs_async,
+}
+
+
+def run_all() -> dict[str, Any]:
+    out = {}
+    for name, run in RUNS.items():
+        started = time.perf_counter()
+        try:
+            out[name] = verdict(run())
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "where": _where()}
+        out[name]["seconds"] = round(time.perf_counter() - started, 2)
+        Audit.current = None
+    return out
+
+
+# -- pool-level scenarios on kvcached's pool (guarded) ------------------------------------
+
+
+def _guarded_pool() -> tuple[Any, Any, Any, Any]:
+    from vllm_prefix_guard.hooks import ledger_of
+
+    scheduler = make_scheduler(num_blocks=16)
+    ledger = ledger_of(scheduler)
+    assert ledger is not None
+    return scheduler, ledger, ledger.pool, kvcached_cpu.ALLOCATORS[-1]
+
+
+def _step(ledger: Any, pool: Any, request: Any, blocks: list[Any]) -> object:
+    """One scheduler step's registrations of ``blocks`` for ``request``, dispatched."""
+    ledger.begin_step()
+    pool.cache_full_blocks(request, blocks, 0, len(blocks), 16, 0)
+    output = object()
+    ledger.dispatch_step(output)
+    return output
+
+
+def _empty_step_committed(ledger: Any) -> None:
+    """A later step comes back first: every older step still in flight is dropped."""
+    ledger.begin_step()
+    output = object()
+    ledger.dispatch_step(output)
+    ledger.commit_step(output)
+
+
+def duplicates() -> dict[str, Any]:
+    """kvcached #401 shape: one key in several physical blocks; rolling one back keeps
+    the siblings hashed and hittable (live block: rolled back on preemption; freed block
+    of a dropped step: evicted through kvcached's ``evict_blocks``)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+    from vllm_prefix_guard.hooks import ledger_of
+
+    scheduler = make_scheduler(num_blocks=40)
+    driver = Driver(scheduler)
+    for name in ("x", "y"):  # greedy-identical: their decode block is one key twice
+        driver.add(make_request(name, list(range(1, 17)), max_tokens=24))
+    driver.run()
+    pool = scheduler.kv_cache_manager.block_pool
+    ledger = ledger_of(scheduler)
+    allocator = kvcached_cpu.ALLOCATORS[-1]
+    key, siblings_map = next(
+        (k, v) for k, v in pool.cached_block_hash_to_block._cache.items() if isinstance(v, dict)
+    )
+    siblings = list(siblings_map.values())
+    tokens = driver.worker.models["x"].tokens[:32]
+
+    def siblings_ok() -> dict[str, Any]:
+        hit = pool.get_cached_block(get_block_hash(key), [0])
+        return {
+            "hashed": [b.block_hash == key for b in siblings],
+            "kvcached_owns": [b.block_id in pool._block_id_to_key for b in siblings],
+            "hit_is_sibling": bool(hit) and hit[0] in siblings,
+        }
+
+    out: dict[str, Any] = {"siblings": len(siblings), "violations": driver.violations}
+    # 1. A live copy (ref_cnt 1) registered in the open step, rolled back on preemption.
+    z = make_request("z", tokens)
+    ledger.begin_step()
+    fresh = pool.get_new_blocks(2)
+    pool.cache_full_blocks(z, fresh, 0, 2, 16, 0)
+    out["live_copy_under_key"] = key in {b.block_hash for b in fresh}
+    ledger.rollback_preempted("z")
+    ledger.abandon_step()
+    out["live"] = {
+        "copy_unhashed": [b.block_hash is None for b in fresh],
+        "copy_not_owned": [b.block_id not in pool._block_id_to_key for b in fresh],
+        **siblings_ok(),
+    }
+    freed_before = allocator.freed_total
+    pool.free_blocks(fresh)  # no hash left: kvcached returns them at once
+    out["live"]["copy_freed_physically"] = allocator.freed_total - freed_before
+    # 2. A copy made by a step that never comes back, its request gone (ref_cnt 0): the
+    #    undo evicts it through kvcached's evict_blocks, which frees its physical pages.
+    w = make_request("w", tokens)
+    fresh = pool.get_new_blocks(2)
+    _step(ledger, pool, w, fresh)
+    pool.free_blocks(fresh)  # w aborted: cached blocks go to kvcached's evictable LRU
+    ids = [b.block_id for b in fresh]
+    in_lru = [i in pool._evictable_blocks for i in ids]
+    freed_before = allocator.freed_total
+    _empty_step_committed(ledger)
+    out["dropped"] = {
+        "in_lru_before_undo": in_lru,
+        "in_lru_after_undo": [i in pool._evictable_blocks for i in ids],
+        "copy_unhashed": [b.block_hash is None for b in fresh],
+        "physically_allocated": [i in allocator.allocated for i in ids],
+        "freed_by_undo": allocator.freed_total - freed_before,
+        **siblings_ok(),
+    }
+    out["stats"] = ledger.stats.as_dict()
+    return out
+
+
+def stale(path: str, same_content: bool) -> dict[str, Any]:
+    """A record made stale by kvcached's own eviction, the block re-registered by another
+    request since; the old step is then dropped. The record must be skipped and the new
+    owner's entry must survive (``same_content``: its key is equal, not identical)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from vllm_prefix_guard.diagnostics.factory import make_request
+
+    _, ledger, pool, allocator = _guarded_pool()
+    blocks = pool.get_new_blocks(2)
+    ids = [b.block_id for b in blocks]
+    a = make_request("A", list(range(1, 33)))
+    _step(ledger, pool, a, blocks)
+    freed_before = allocator.freed_total
+    if path == "cap_trim":  # kvcached's LRU cap, trimmed inside free_blocks
+        pool.max_cached_blocks = 0
+        pool.free_blocks(blocks)
+        pool.max_cached_blocks = 1000
+        everything = pool.get_new_blocks(allocator.available_size())
+        reused = [b for b in everything if b.block_id in ids]
+    elif path == "evict_blocks":  # a KV connector's evict_blocks, through kvcached's own
+        pool.free_blocks(blocks)
+        pool.evict_blocks(set(ids))
+        everything = pool.get_new_blocks(allocator.available_size())
+        reused = [b for b in everything if b.block_id in ids]
+    elif path == "allocation_pressure":  # get_new_blocks evicts LRU victims to allocate
+        pool.free_blocks(blocks)
+        pool.get_new_blocks(allocator.available_size())
+        reused = pool.get_new_blocks(2)
+    else:
+        raise ValueError(path)
+    evicted = {
+        "physically_freed": allocator.freed_total - freed_before,
+        "hash_reset": [b.block_hash is None for b in blocks],
+        "same_ids_reused": sorted(b.block_id for b in reused) == sorted(ids),
+    }
+    b = make_request("B", list(range(1, 33)) if same_content else list(range(500, 532)))
+    output = _step(ledger, pool, b, reused)
+    ledger.commit_step(output)  # A's step never came back: dropped, undone
+    keys = [make_block_hash_with_group_id(h, 0) for h in b.block_hashes[:2]]
+    hits = [pool.get_cached_block(b.block_hashes[i], [0]) for i in range(2)]
+    return {
+        "evicted": evicted,
+        "stats": ledger.stats.as_dict(),
+        "new_entries_survive": [
+            pool.cached_block_hash_to_block.contain(k, blk.block_id)
+            for k, blk in zip(keys, reused, strict=True)
+        ],
+        "new_owner_hits": [bool(h) and h[0] is blk for h, blk in zip(hits, reused, strict=True)],
+        "kvcached_owns": [blk.block_id in pool._block_id_to_key for blk in reused],
+    }
+
+
+def pool_scenarios() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {"duplicates": duplicates}
+    for path in ("cap_trim", "evict_blocks", "allocation_pressure"):
+        for same in (True, False):
+            jobs[f"stale_{path}_{'same' if same else 'other'}_content"] = lambda p=path, s=same: (
+                stale(p, s)
+            )
+    for name, job in jobs.items():
+        try:
+            out[name] = job()
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "where": _where()}
+        Audit.current = None
+    return out
+
+
+# -- refusals and kvcached's own gate -------------------------------------------------
+
+
+def _attempt(build: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        scheduler = build()
+    except Exception as exc:
+        return {"error_type": f"{type(exc).__module__}.{type(exc).__name__}", "error": str(exc)}
+    return {"pool": pool_info(scheduler)}
+
+
+def legacy_refused() -> dict[str, Any]:
+    """kvcached's legacy pool, forced on this vLLM: the guard refuses it at construction."""
+    from vllm.v1.core import block_pool
+
+    from vllm_prefix_guard.diagnostics import factory
+
+    published = getattr(block_pool, "ElasticBlockPool", None)
+    block_pool.ElasticBlockPool = kvcached_cpu.legacy_pool_class()
+    try:
+        return _attempt(factory.make_scheduler)
+    finally:
+        block_pool.ElasticBlockPool = published
+
+
+def engine_gate() -> dict[str, Any]:
+    """kvcached's ``EngineCore.__init__`` gate with the factory's CPU config. The gate runs
+    before vLLM's own ``__init__``, so no executor is needed to read its verdict."""
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, _vllm_config
+
+    config = _vllm_config(SchedulerSpec())
+    out: dict[str, Any] = {"use_v2_model_runner": getattr(config, "use_v2_model_runner", None)}
+    engine = object.__new__(EngineCore)
+    try:
+        EngineCore.__init__(engine, config, executor_class=None, log_stats=False)
+        out["result"] = "passed the gate"
+    except Exception as exc:
+        out["result"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return out
+
+
+def without_kvcached_enabled(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run`` with ``ENABLE_KVCACHED`` unset: kvcached's wrappers stay installed and
+    read it at call time, so they step aside and vLLM's own pool is used."""
+    os.environ.pop("ENABLE_KVCACHED", None)
+    try:
+        return run()
+    finally:
+        os.environ["ENABLE_KVCACHED"] = "1"
+
+
+def patched_on_import() -> dict[str, Any]:
+    """Import vLLM: in an interpreter started with kvcached's ``.pth`` its hook patches now."""
+    import vllm
+    from vllm.v1.core import block_pool
+
+    return {
+        "vllm": vllm.__version__,
+        "elastic_block_pool": hasattr(block_pool, "ElasticBlockPool"),
+        "autopatch_module": "kvcached.integration.vllm.autopatch" in sys.modules,
+    }
+
+
+def doctor() -> dict[str, Any]:
+    """``vllm-prefix-guard doctor --json`` (its ``main``), in this kvcached-patched process."""
+    import contextlib
+    import io
+
+    from vllm_prefix_guard.cli import main as cli
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        status = cli(["doctor", "--json"])
+    checks = {check["name"]: check for check in json.loads(buffer.getvalue())}
+    return {"status": status, "checks": checks}
+
+
+def kvcached_status() -> dict[str, Any]:
+    from vllm_prefix_guard import kvcached_support
+
+    status = kvcached_support.status()
+    return {"describe": status.describe(), "version": status.version}
+
+
+# -- the orders -------------------------------------------------------------------------
+
+
+def _where() -> list[str]:
+    return traceback.format_exc().strip().splitlines()[-4:]
+
+
+def guarded_part(out: dict[str, Any]) -> None:
+    from vllm_prefix_guard.diagnostics import factory
+
+    out["pool"] = _attempt(factory.make_scheduler)
+    out["guarded"] = run_all()
+    out["pool_level"] = pool_scenarios()
+    out["legacy_refused"] = legacy_refused()
+    out["guard_on_vllm_pool"] = without_kvcached_enabled(lambda: _attempt(factory.make_scheduler))
+    out["status_enabled"] = kvcached_status()
+
+
+def main(order: str) -> dict[str, Any]:
+    from vllm_prefix_guard import plugin
+
+    started = time.perf_counter()
+    Audit.install_recorder()
+    out: dict[str, Any] = {"order": order}
+    if order == "guard_first":
+        out["guard_patched"] = plugin.apply()
+        out["patches"] = kvcached_cpu.activate()
+        guarded_part(out)
+        plugin.undo()
+        out["alone"] = run_all()
+    elif order == "kvcached_first":
+        out["patched_on_import"] = patched_on_import()
+        out["doctor"] = doctor()
+        out["patches"] = kvcached_cpu.activate()
+        out["alone"] = run_all()
+        out["guard_patched"] = plugin.apply()
+        guarded_part(out)
+    elif order == "vllm_pool":
+        from vllm_prefix_guard.diagnostics import factory
+
+        out["patched_on_import"] = patched_on_import()
+        out["doctor"] = doctor()
+        out["patches"] = kvcached_cpu.activate()
+        out["guard_patched"] = plugin.apply()
+        out["status_enabled"] = kvcached_status()
+
+        def on_vllm_pool() -> dict[str, Any]:
+            result = {"status": kvcached_status(), "zombie_sync": verdict(zombie(False))}
+            plugin.undo()
+            result["zombie_sync_unguarded"] = verdict(zombie(False))
+            plugin.apply()
+            return result
+
+        out["kvcached_disabled"] = without_kvcached_enabled(on_vllm_pool)
+        out["pool"] = _attempt(factory.make_scheduler)
+        out["legacy_refused"] = legacy_refused()
+    else:
+        raise SystemExit(f"unknown order {order!r}")
+    out["engine_gate"] = engine_gate()
+    out["seconds"] = round(time.perf_counter() - started, 2)
+    return out
+
+
+if __name__ == "__main__":
+    result = main(sys.argv[1])
+    print("RESULT " + json.dumps(result, default=str), flush=True)
