@@ -101,8 +101,37 @@ def package(session: nox.Session) -> None:
     session.run("twine", "check", "--strict", *(str(p) for p in Path(out).iterdir()))
 
 
+#: kvcached's sdist, fetched and checked by scripts/fetch_kvcached.py (pinned sha256): it
+#: cannot be pip-installed without CUDA, so tests/kvcached put its source on the path.
+KVCACHED_SRC = ROOT / ".nox" / "kvcached-0.1.6"
+#: kvcached's own runtime dependencies besides torch and numpy (which vLLM brings).
+KVCACHED_DEPS = ("wrapt>=1.15", "posix_ipc>=1.0")
+#: Where tests/kvcached run: 0.30 (kvcached's pool, both ways) and 0.31 (kvcached refuses it).
+KVCACHED_ON = ("0.30.0", "0.31.0")
+
+
+def with_kvcached(session: nox.Session, venv: Path) -> dict[str, str]:
+    """Fetch kvcached's source (idempotent) and its two pure-Python dependencies."""
+    python = str(venv / "bin" / "python")
+    session.run(
+        python, str(ROOT / "scripts" / "fetch_kvcached.py"), str(KVCACHED_SRC), external=True
+    )
+    session.run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        *KVCACHED_DEPS,
+        external=True,
+    )
+    return {"KVCACHED_SRC": str(KVCACHED_SRC)}
+
+
 def _suite(session: nox.Session, version: str) -> None:
     venv = vllm_venv(session, version)
+    env = with_kvcached(session, venv) if version in KVCACHED_ON else {}
     run_in(
         session,
         venv,
@@ -112,6 +141,7 @@ def _suite(session: nox.Session, version: str) -> None:
         "-p",
         "no:cacheprovider",
         *session.posargs,
+        env=env,
     )
 
 
@@ -119,7 +149,8 @@ for _version in TESTED_VLLM:
 
     @nox.session(name=f"tests-vllm-{short(_version)}", python=False)
     def _tests(session: nox.Session, version: str = _version) -> None:
-        """Scheduler-level regression, pool, plugin and CI fuzz tests on one vLLM."""
+        """Scheduler-level regression, pool, plugin and CI fuzz tests on one vLLM (and
+        kvcached's real integration where kvcached runs: tests/kvcached)."""
         _suite(session, version)
 
 
