@@ -12,6 +12,7 @@ Exit status: 0 everything passed; 1 a check failed (doctor) or a fuzz check fail
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,10 +25,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def cmd_doctor(args: argparse.Namespace) -> int:
     from vllm_prefix_guard.doctor import run_checks
 
-    checks = run_checks(args.self_test)
     if args.json:
+        # Only the document on stdout: vLLM binds its log handler to the stdout it sees
+        # when first imported (0.30 logs import warnings there), so that is stderr here.
+        with contextlib.redirect_stdout(sys.stderr):
+            checks = run_checks(args.self_test)
         print(json.dumps([c.as_dict() for c in checks], indent=2))
     else:
+        checks = run_checks(args.self_test)
         for check in checks:
             print(check.render())
     return EXIT_FAILED if any(c.failed for c in checks) else EXIT_OK
