@@ -150,3 +150,65 @@ def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
         assert result.wrong_content > 0
     else:
         assert result.never_written == result.wrong_content == 0
+
+
+def test_reader_keeps_blocks_it_loaded_itself(guard: None) -> None:
+    """A request hits blocks another request's load registered in the same step, then
+    loads more of its prompt from the connector, and the first load fails. What it
+    computed attends over the invalid KV and goes; what it loaded does not depend on
+    that KV and stays (the old rule undid it all: valid KV lost, loaded again)."""
+    scheduler = make_scheduler(
+        num_blocks=40, kv_load_failure_policy="recompute", long_prefill_token_threshold=0
+    )
+    prompt = list(range(1, 98))  # 6 full blocks and one token
+    connector = scheduler.connector
+    connector.external_tokens.update(loader=32, reader=80)
+    connector.fail_loads.add("loader")
+    driver = Driver(scheduler)
+    driver.add(make_request("loader", prompt[:33], max_tokens=2))
+    driver.add(make_request("reader", prompt, max_tokens=2))
+    output = driver.schedule()
+    reads = {r.request_id: r for r in driver.in_flight[0].reads}
+    assert reads["reader"].start == 80  # 32 hit on the loader's blocks + 48 loaded
+    loaded = reads["reader"].block_ids[2:5]
+    driver.complete()
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is not None for b in loaded)
+    assert output is not None
+    driver.run()
+    assert driver.violations == 0
+
+
+def test_reader_failed_by_vllm_is_rolled_back(mode: str) -> None:
+    """Policy ``fail``: a request hits blocks another request's load registered in the
+    same step and computes (and registers) more blocks over them; the load fails. vLLM
+    fails both, but evicts only the blocks of the first holder (the loader): the
+    reader's blocks, computed over the invalid KV, stay hashed. Found by the rollback
+    audit (``kv-load-fail-abort-async`` seed 0): the guard looked for such readers only
+    after vLLM had already freed them, and committed their entries; a request that
+    computes the prefix again makes them reachable."""
+    scheduler = make_scheduler(
+        num_blocks=40, kv_load_failure_policy="fail", long_prefill_token_threshold=0
+    )
+    prompt = list(range(1, 98))
+    scheduler.connector.external_tokens["loader"] = 32
+    scheduler.connector.fail_loads.add("loader")
+    driver = Driver(scheduler)
+    driver.add(make_request("loader", prompt[:33], max_tokens=2))
+    driver.add(make_request("reader", prompt, max_tokens=2))
+    driver.schedule()
+    assert {r.request_id: r.start for r in driver.in_flight[0].reads} == {
+        "loader": 32,
+        "reader": 32,
+    }
+    driver.complete()
+    # vLLM evicted the loader's blocks; once another request computes that prefix again,
+    # the chain of keys reaches the reader's blocks.
+    driver.add(make_request("again", prompt[:33], max_tokens=1))
+    driver.run()
+    driver.add(make_request("probe", prompt + [7] * 16, max_tokens=1))
+    driver.run()
+    if mode == "stock":
+        assert {v.request_id for v in driver.kv.violations} == {"probe"}
+        return
+    assert driver.violations == 0

@@ -45,6 +45,7 @@ DIAGNOSTICS = {
         f"diagnostics/fuzz/{name}"
         for name in (
             "__init__",
+            "audit",
             "cli",
             "configs",
             "differential",

@@ -221,3 +221,36 @@ def test_a_partial_key_registered_again_since_is_not_rolled_back() -> None:
     assert pool.cached_block_hash_to_block.contain(again, block.block_id)
     assert ledger.stats.stale_entries_skipped == 1
     assert ledger.stats.rolled_back_kv_load_failure == 0
+
+
+def test_preemption_keeps_entries_its_dispatched_steps_write() -> None:
+    """Under async scheduling a block's last token is known only once the step that
+    sampled it reports, so the block is registered one step after the step that writes
+    its KV. A victim preempted in that later step keeps the entry: the dispatched step
+    writes the block. It moves to that step's bucket (a failure or drop there undoes
+    it); the victim's entries past its computed tokens go."""
+    pool, ledger = guarded_pool()
+    request = make_request("r", list(range(1, 49)))
+    blocks = pool.get_new_blocks(3)
+    ledger.begin_step()
+    ledger.dispatch_step(in_flight := object())  # writes tokens 0-31 (blocks 0 and 1)
+    ledger.begin_step()
+    pool.cache_full_blocks(request, blocks, 0, 3, 16, 0)  # 16, 32: written; 48: not yet
+    ledger.rollback_preempted("r", written_upto=32)
+    assert [b.block_hash is not None for b in blocks] == [True, True, False]
+    assert ledger.stats.rolled_back_preempted == 1
+    ledger.abandon_step()
+    assert blocks[0].block_hash is not None  # no longer in the abandoned (open) step
+    assert ledger.uncommitted_entries == 2
+    ledger.rollback_failed_loads(in_flight, {blocks[0].block_id})
+    assert all(b.block_hash is None for b in blocks)
+
+
+def test_preemption_without_computed_tokens_rolls_back_everything() -> None:
+    pool, ledger = guarded_pool()
+    request = make_request("r", list(range(1, 33)))
+    blocks = pool.get_new_blocks(2)
+    ledger.begin_step()
+    pool.cache_full_blocks(request, blocks, 0, 2, 16, 0)
+    ledger.rollback_preempted("r", written_upto=0)
+    assert all(b.block_hash is None for b in blocks)

@@ -133,3 +133,41 @@ def test_async_victims_with_steps_in_flight_keep_their_entries() -> None:
     )
     ledger = ledger_of(driver.scheduler)
     assert ledger is not None and ledger.stats.rolled_back == 0 and ledger.is_idle
+
+
+def test_preempted_victim_keeps_a_block_registered_one_step_late(guard: None) -> None:
+    """Shrunk by the rollback audit (``priority-phased-async`` seed 2, vLLM 0.32): under
+    async scheduling a decode block is registered one step after the step that writes
+    it (its last token was sampled by a step still in flight). A priority victim
+    preempted in that later step kept nothing: the old rule rolled back a block its
+    dispatched step writes, valid KV the cache then lacked."""
+    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+    from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+    from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
+
+    workload = Workload(
+        spec=SchedulerSpec(
+            num_blocks=40,
+            max_model_len=4096,
+            policy="priority",
+            long_prefill_token_threshold=64,
+            async_scheduling=True,
+        ),
+        depth=2,
+        events=(
+            Arrive(0, "r0", prompt=((1000, 103), (2000, 17)), max_tokens=20),
+            Arrive(5, "r1", prompt=((1000, 103), (3000, 44)), max_tokens=18, priority=2),
+            Arrive(7, "r2", prompt=((1000, 103), (4000, 12)), max_tokens=23),
+            Arrive(8, "r3", prompt=((5000, 49), (6000, 18)), max_tokens=10),
+            Arrive(10, "r4", prompt=((7000, 123), (8000, 27)), max_tokens=9),
+            Arrive(13, "r5", prompt=((5000, 49), (9000, 33)), max_tokens=8),
+            Arrive(13, "r6", prompt=((10000, 47),), max_tokens=10),
+            Arrive(17, "r7", prompt=((1000, 103), (11000, 8)), max_tokens=6),
+        ),
+    )
+    result = run_workload(workload, "guard", audit=True)
+    assert result.violations == 0
+    assert result.audit is not None
+    assert result.preemptions > 0
+    assert result.audit.valid_rolled_back == 0, result.audit.examples
+    assert result.audit.invalid_committed == 0, result.audit.examples

@@ -133,7 +133,9 @@ def wrap_preempt_request(original: AnyFn) -> AnyFn:
     def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         ledger = ledger_of(self)
         if ledger is not None and ledger.open is not None:
-            ledger.rollback_preempted(request.request_id)
+            # Its computed tokens are those of the steps already dispatched (this
+            # step's are added only when schedule() returns): those steps write them.
+            ledger.rollback_preempted(request.request_id, request.num_computed_tokens)
         return original(self, request, *args, **kwargs)
 
     return _preempt_request
@@ -160,14 +162,17 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
         if ledger is None:
             return original(self, scheduler_output, model_runner_output, *args, **kwargs)
         kv_output = model_runner_output.kv_connector_output
-        undone: dict[str, set[int]] = {}
+        undone = None
         if kv_output is not None and kv_output.invalid_block_ids:
-            undone = ledger.rollback_failed_loads(scheduler_output, kv_output.invalid_block_ids)
+            # Before the original: it may fail or free the requests involved.
+            undone = recovery.rollback_failed_loads(
+                self, scheduler_output, ledger, kv_output.invalid_block_ids
+            )
             if undone:
                 recovery.rewind_cached_block_counts(self, undone)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
-        if undone:
-            recovery.preempt_failed_load_sharers(self, scheduler_output, ledger, undone)
+        if undone is not None and (undone or undone.readers):
+            recovery.preempt_failed_load_readers(self, ledger, undone)
         ledger.commit_step(scheduler_output)
         return result
 

@@ -1,40 +1,79 @@
 """The step ledger: which speculative registrations each scheduler step made, until it commits.
 
 One bucket per ``schedule()`` call. While the call runs the bucket is *open*: the pool
-records into it every ``(key, block)`` pair that ``allocate_slots`` newly registers. When
-``schedule()`` returns, the bucket is *dispatched*, keyed by the identity of the
-``SchedulerOutput`` it produced (not by a counter, so dropped or foreign outputs cannot
-shift the pairing). ``update_from_output`` for that output *commits* it, after the
-step's KV-load failures were rolled back.
+records into it every ``(key, block)`` pair that ``allocate_slots`` newly registers, with
+the prefix length the key names. When ``schedule()`` returns, the bucket is
+*dispatched*, keyed by the identity of the ``SchedulerOutput`` it produced (not by a
+counter, so dropped or foreign outputs cannot shift the pairing). ``update_from_output``
+for that output *commits* it, after the step's KV-load failures were rolled back.
 
-Rollback rules (why each exists is in the README's design section):
+Rollback rules (why each exists is in the README's design section). Each undoes exactly
+the entries whose KV is not, or will not be, what their key names:
 
 - preemption inside ``schedule()`` rolls back the victim's entries in the open bucket
-  only: dispatched steps cannot be cancelled and will write their blocks (the
-  :class:`PreemptionScope` policy can widen this, to measure what that costs);
-- a KV-load failure rolls back, in the failing step, each affected request's entries
-  from its first invalid block on, and that request's entries in later in-flight steps
-  (computed on top of the invalid KV);
+  only, and of those only the ones its dispatched steps do not write: dispatched steps
+  cannot be cancelled and write their blocks (a block whose last token became known
+  only after its step was dispatched is registered one step late, and stays). The
+  :class:`PreemptionScope` policy can widen this, to measure what that costs;
+- a KV-load failure rolls back, in the failing step, each loader's entries from its
+  first invalid block on; then, walking the failing step and every later step in
+  flight, the entries each request *computed* over bad KV: the loaders' (until they are
+  admitted afresh), and those of every request admitted on a hit that includes a bad
+  block (a failed load or an entry rolled back here), found from the admissions the
+  in-flight ``SchedulerOutput``s carry. Blocks a reader loaded from the connector do not
+  depend on the KV it read and stay;
 - a dispatched step that never comes back (its successor commits first) is rolled back
   whole; ``reset_prefix_cache`` drops every bucket.
 
 The ledger owns what the scheduler hooks need to resolve after a rollback: blocks rolled
-back while another request held them (*contested*), and the keys of failed loads.
+back while another request held them (*contested*), and the readers of failed loads.
 
-Cost: O(1) per step plus O(1) per recorded registration; rollback is O(entries undone).
+Cost: O(1) per step plus O(1) per recorded registration; rollback is O(entries undone),
+plus, on a KV-load failure only, O(blocks the in-flight steps' admissions hit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 from vllm_prefix_guard.pool import PrefixGuardPool
 from vllm_prefix_guard.stats import GuardStats
 
-# (key, block) as recorded by the pool.
-Entry = tuple[Any, Any]
+# (key, block, prefix length the key names) as recorded by the pool.
+Entry = tuple[Any, Any, "int | None"]
+
+# (request id, its block ids (first KV cache group), tokens computed when admitted):
+# one request admitted (new or resumed) by a step, read off its SchedulerOutput.
+Admission = tuple[str, list[int], int]
+
+# Why entries are undone: the ledger path, as diagnostics classify rollbacks.
+PREEMPTED = "preempted"
+LOADER = "kv_load_failure: loader, failing step"
+LOADER_LATER = "kv_load_failure: loader, later step in flight"
+READER = "kv_load_failure: reader, computed over bad KV"
+DROPPED_STEP = "dropped_step"
+ABANDONED_STEP = "abandoned_step"
+
+
+def written_below(entry: Entry, upto: int) -> bool:
+    """Whether every token the entry's key names lies below ``upto``."""
+    num_tokens = entry[2]
+    return num_tokens is not None and 0 < num_tokens <= upto
+
+
+class FailedLoads(dict[str, set[int]]):
+    """Loader id -> block ids undone, plus the readers of bad KV (see the ledger)."""
+
+    readers: set[str]
+    # Block id -> whether an entry undone on it was still registered.
+    bad_blocks: dict[int, bool]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readers = set()
+        self.bad_blocks = {}
 
 
 class StepBucket:
@@ -50,12 +89,14 @@ class StepBucket:
         self.by_request: dict[str | None, list[Entry]] = {}
         self.size = 0
 
-    def record(self, request_id: str | None, key: Any, block: Any) -> None:
+    def record(
+        self, request_id: str | None, key: Any, block: Any, num_tokens: int | None = None
+    ) -> None:
         entries = self.by_request.get(request_id)
         if entries is None:
-            self.by_request[request_id] = [(key, block)]
+            self.by_request[request_id] = [(key, block, num_tokens)]
         else:
-            entries.append((key, block))
+            entries.append((key, block, num_tokens))
         self.size += 1
 
     def pop_request(self, request_id: str) -> list[Entry]:
@@ -73,6 +114,12 @@ class StepBucket:
         del entries[first:]
         self.size -= len(taken)
         return taken
+
+    def keep(self, request_id: str, entries: list[Entry]) -> None:
+        """Put (back) entries of ``request_id`` into this bucket."""
+        if entries:
+            self.by_request.setdefault(request_id, []).extend(entries)
+            self.size += len(entries)
 
     def pop_all(self) -> list[Entry]:
         """Take every entry out of the bucket."""
@@ -93,21 +140,45 @@ class PreemptionScope(Protocol):
     def after_open_step_rollback(self, ledger: StepLedger, request_id: str) -> None: ...
 
 
+class LedgerObserver(Protocol):
+    """What diagnostics see of a ledger (the fuzzer's rollback audit): steps dispatched
+    and committed, failed loads, and every undo, which it may narrow (the audit's ideal
+    policy keeps entries whose KV is right)."""
+
+    def step_dispatched(self, output: object, bucket: StepBucket) -> None: ...
+
+    def step_committed(self, output: object, bucket: StepBucket) -> None: ...
+
+    def loads_failed(self, output: object, invalid_block_ids: set[int]) -> None: ...
+
+    def undoing(self, cause: str, request_id: str | None, entries: list[Entry]) -> list[Entry]:
+        """The entries to undo after all (the others stay registered)."""
+        ...
+
+    def preempting_readers(self, readers: set[str]) -> set[str]:
+        """The readers of bad KV to preempt after all."""
+        ...
+
+
 class StepLedger:
     """Per-scheduler FIFO of uncommitted registration buckets over one guarded pool."""
 
-    def __init__(self, pool: PrefixGuardPool, preemption_scope: PreemptionScope | None = None):
+    def __init__(
+        self,
+        pool: PrefixGuardPool,
+        preemption_scope: PreemptionScope | None = None,
+        observer: LedgerObserver | None = None,
+    ):
         self.pool = pool
         self.stats = GuardStats()
         self.preemption_scope = preemption_scope
+        self.observer = observer
         self.open: StepBucket | None = None
         # id(SchedulerOutput) -> (output, bucket), in dispatch order. The output is held
         # so its id cannot be reused while the step is in flight.
         self._dispatched: dict[int, tuple[object, StepBucket]] = {}
         # Blocks rolled back in the open step while another request still held them.
         self._contested_blocks: set[int] = set()
-        # Keys of the entries failed-load rollbacks removed, until a hook takes them.
-        self._failed_keys: set[Any] = set()
         self._epoch = pool.guard_epoch
 
     # -- step lifecycle --------------------------------------------------------------
@@ -152,6 +223,8 @@ class StepLedger:
             uncommitted = self.uncommitted_entries
             if uncommitted > stats.peak_uncommitted_entries:
                 stats.peak_uncommitted_entries = uncommitted
+        if self.observer is not None:
+            self.observer.step_dispatched(output, bucket)
 
     def abandon_step(self) -> None:
         """``schedule()`` raised: its step will never run, so undo what it registered."""
@@ -160,7 +233,11 @@ class StepLedger:
         self.pool.guard_record_into(None)
         self._contested_blocks.clear()
         if bucket is not None:
-            self.stats.rolled_back_dropped_step += self.unregister(bucket.pop_all())
+            for request_id, entries in list(bucket.by_request.items()):
+                self.stats.rolled_back_dropped_step += self.unregister(
+                    entries, ABANDONED_STEP, request_id
+                )
+            bucket.pop_all()
 
     def commit_step(self, output: object) -> None:
         """The step of ``output`` came back: its registrations are written. Older steps
@@ -174,8 +251,14 @@ class StepLedger:
             _, bucket = dispatched.pop(oldest)
             if oldest == key:
                 self.stats.steps_committed += 1
+                if self.observer is not None:
+                    self.observer.step_committed(output, bucket)
                 return
-            self.stats.rolled_back_dropped_step += self.unregister(bucket.pop_all())
+            for request_id, entries in list(bucket.by_request.items()):
+                self.stats.rolled_back_dropped_step += self.unregister(
+                    entries, DROPPED_STEP, request_id
+                )
+            bucket.pop_all()
 
     def clear(self) -> None:
         """Forget every bucket: the pool's hashes were all reset."""
@@ -184,7 +267,6 @@ class StepLedger:
             self.open = StepBucket()
             self.pool.guard_record_into(self.open)
         self._contested_blocks.clear()
-        self._failed_keys.clear()
         self._epoch = self.pool.guard_epoch
 
     def sync_with_pool(self) -> None:
@@ -208,27 +290,24 @@ class StepLedger:
         for _, bucket in self._dispatched.values():
             yield bucket
 
-    def _buckets_from(self, output: object) -> Iterator[StepBucket]:
-        """The bucket of ``output``'s step and of every step dispatched after it."""
-        found = False
-        for key, (_, bucket) in self._dispatched.items():
-            found = found or key == id(output)
-            if found:
-                yield bucket
-
-    def requests_from(self, output: object) -> set[str]:
-        """Requests with registrations in the step of ``output`` or any later step in flight."""
-        return {
-            request_id
-            for bucket in self._buckets_from(output)
-            for request_id in bucket.by_request
-            if request_id is not None
-        }
+    def _in_flight_from(self, output: object) -> list[tuple[object, StepBucket]]:
+        """The step of ``output`` and every later step in flight, in dispatch order."""
+        steps = list(self._dispatched.items())
+        for index, (key, _) in enumerate(steps):
+            if key == id(output):
+                return [entry for _, entry in steps[index:]]
+        return []
 
     # -- rollback --------------------------------------------------------------------
 
-    def rollback_preempted(self, request_id: str) -> None:
+    def rollback_preempted(self, request_id: str, written_upto: int = 0) -> None:
         """Undo ``request_id``'s registrations in the open step, before its blocks are freed.
+
+        Entries whose tokens all lie below ``written_upto`` (the victim's computed tokens
+        before this step: its dispatched steps write them) stay registered and move to
+        the latest step in flight: a block registered one step after the step that
+        writes it (its last token was sampled by a step still in flight) holds valid KV
+        once that step ran.
 
         A rolled-back block that someone else still holds (``ref_cnt`` above the victim's
         own reference) was counted as computed by that holder in this same step: it is
@@ -238,9 +317,18 @@ class StepLedger:
         if bucket is None:
             return
         entries = bucket.pop_request(request_id)
+        if entries and written_upto:
+            written = [e for e in entries if written_below(e, written_upto)]
+            if written and self._dispatched:
+                # Written by a step in flight: they live or die with the latest one (a
+                # failed load or a drop there undoes them like its own entries).
+                _, latest = next(reversed(self._dispatched.values()))
+                latest.keep(request_id, written)
+            # (Nothing in flight: committed steps wrote them; they are final.)
+            entries = [e for e in entries if not written_below(e, written_upto)]
         if entries:
-            self.stats.rolled_back_preempted += self.unregister(entries)
-            for _, block in entries:
+            self.stats.rolled_back_preempted += self.unregister(entries, PREEMPTED, request_id)
+            for _, block, _ in entries:
                 if block.ref_cnt > 1:
                     self._contested_blocks.add(block.block_id)
         if self.preemption_scope is not None:
@@ -256,64 +344,134 @@ class StepLedger:
         return contested
 
     def rollback_failed_loads(
-        self, output: object, invalid_block_ids: Iterable[int]
-    ) -> dict[str, set[int]]:
-        """Undo registrations whose KV failed to load in the step of ``output``.
+        self,
+        output: object,
+        invalid_block_ids: Iterable[int],
+        admissions: Callable[[object], Iterable[Admission]] | None = None,
+        holds: Callable[[str, int], bool] | None = None,
+        block_size: int = 0,
+    ) -> FailedLoads:
+        """Undo registrations whose KV failed to load in the step of ``output``, and every
+        registration computed over such KV in that step or a later one in flight.
 
-        In that step, each affected request's entries from its first invalid block on;
-        in every later step in flight, all of that request's entries (computed on top of
-        the invalid KV). The keys undone are kept for :meth:`take_failed_keys`.
+        Without ``admissions`` (which requests each step admitted, and on which blocks)
+        only the loaders are followed, and all their later in-flight entries go.
+
+        Args:
+            admissions: the admissions of a dispatched step's output.
+            holds: whether a request still holds a block now (running, in its table).
+            block_size: tokens per block (of the first KV cache group).
 
         Returns:
-            request id -> ids of the blocks whose registration was undone.
+            loader id -> ids of the blocks whose registration was undone, with
+            :attr:`FailedLoads.readers`: the other requests that computed over bad KV and
+            still count it as computed in their latest admission.
         """
         invalid = set(invalid_block_ids)
-        affected: dict[str, set[int]] = {}
-        buckets = self._buckets_from(output)
-        failing = next(buckets, None)
-        if failing is None:
-            return affected
-        for request_id, entries in list(failing.by_request.items()):
+        if self.observer is not None:
+            self.observer.loads_failed(output, invalid)
+        steps = self._in_flight_from(output)
+        result = FailedLoads()
+        if not steps:
+            return result
+        # Block id -> whether an undone entry on it was still registered (False: the
+        # block was evicted and reused since, so a hit on it may be on its new content).
+        bad: dict[int, bool] = dict.fromkeys(invalid, False)
+        loaders = self._undo_loaders(steps[0][1], invalid, bad, result)
+        # Request -> whether its computation in the step being walked reads bad KV.
+        tainted = dict.fromkeys(loaders, True)
+        for index, (step_output, bucket) in enumerate(steps):
+            admitted: dict[str, tuple[list[int], int]] = {}
+            if admissions is not None:
+                for request_id, block_ids, num_computed in admissions(step_output):
+                    if index or request_id not in loaders:
+                        admitted[request_id] = (block_ids, num_computed)
+                        tainted.pop(request_id, None)  # admitted afresh: judged below
+            if index:
+                # Tainted since an earlier step: all of it was computed over bad KV.
+                for owner in list(bucket.by_request):
+                    if owner is not None and tainted.get(owner):
+                        cause = LOADER_LATER if owner in loaders else READER
+                        undone = self._undo_bad(bucket.pop_request(owner), bad, cause, owner)
+                        if owner in result:
+                            result[owner].update(undone)
+            # Admissions on a hit that includes a bad block, until none is left to add
+            # (a same-step hit on a block a reader registered here is bad as well).
+            changed = True
+            while changed:
+                changed = False
+                for request_id, (block_ids, num_computed) in list(admitted.items()):
+                    own = {e[1].block_id for e in bucket.by_request.get(request_id, ())}
+                    read = block_ids[: -(-num_computed // block_size)] if block_size else ()
+                    if not any(
+                        block_id in bad
+                        and block_id not in own
+                        and (bad[block_id] or holds is None or not holds(request_id, block_id))
+                        for block_id in read
+                    ):
+                        continue
+                    del admitted[request_id]
+                    tainted[request_id] = True
+                    # What it loaded or had written before this step does not depend on
+                    # what it reads here; what it computes here does.
+                    entries = bucket.pop_request(request_id)
+                    bucket.keep(request_id, [e for e in entries if written_below(e, num_computed)])
+                    computed = [e for e in entries if not written_below(e, num_computed)]
+                    self._undo_bad(computed, bad, READER, request_id)
+                    changed = True
+        readers = {r for r, t in tainted.items() if t and r not in loaders}
+        if self.observer is not None:
+            readers = self.observer.preempting_readers(readers)
+        result.readers = readers
+        result.bad_blocks = bad
+        return result
+
+    def _undo_loaders(
+        self, bucket: StepBucket, invalid: set[int], bad: dict[int, bool], result: FailedLoads
+    ) -> set[str]:
+        """Undo each loader's entries from its first invalid block on; return the loaders."""
+        loaders = set()
+        for request_id, entries in list(bucket.by_request.items()):
             if request_id is None:
                 continue
             first = next(
-                (i for i, (_, block) in enumerate(entries) if block.block_id in invalid), None
+                (i for i, entry in enumerate(entries) if entry[1].block_id in invalid), None
             )
-            if first is not None:
-                failed = failing.pop_request_from(request_id, first)
-                self._failed_keys.update(key for key, _ in failed)
-                affected[request_id] = self._undo_failed(failed)
-        for bucket in buckets:
-            for request_id, undone in affected.items():
-                undone |= self._undo_failed(bucket.pop_request(request_id))
-        return affected
+            if first is None:
+                continue
+            failed = bucket.pop_request_from(request_id, first)
+            result[request_id] = self._undo_bad(failed, bad, LOADER, request_id)
+            loaders.add(request_id)
+        return loaders
 
-    def rollback_request_from(self, output: object, request_id: str) -> int:
-        """Undo ``request_id``'s entries in the step of ``output`` and every later step in
-        flight: that request computed them over KV that failed to load."""
-        undone = 0
-        for bucket in self._buckets_from(output):
-            entries = bucket.pop_request(request_id)
-            if entries:
-                undone += self.unregister(entries)
-        self.stats.rolled_back_kv_load_failure += undone
-        return undone
+    def _undo_bad(
+        self, entries: list[Entry], bad: dict[int, bool], cause: str, request_id: str
+    ) -> set[int]:
+        """Undo entries computed over (or loaded as) bad KV; their blocks become bad."""
+        if not entries:
+            return set()
+        if self.observer is not None:
+            entries = self.observer.undoing(cause, request_id, entries)
+        unregister = self.pool.guard_unregister
+        for key, block, _ in reversed(entries):
+            live = unregister(key, block)
+            if live:
+                self.stats.rolled_back_kv_load_failure += 1
+            else:
+                self.stats.stale_entries_skipped += 1
+            bad[block.block_id] = bad.get(block.block_id, False) or live
+        return {entry[1].block_id for entry in entries}
 
-    def take_failed_keys(self) -> set[Any]:
-        """Keys undone by failed-load rollbacks since the last call; the ledger forgets them."""
-        keys, self._failed_keys = self._failed_keys, set()
-        return keys
-
-    def _undo_failed(self, entries: list[Entry]) -> set[int]:
-        self.stats.rolled_back_kv_load_failure += self.unregister(entries)
-        return {block.block_id for _, block in entries}
-
-    def unregister(self, entries: list[Entry]) -> int:
+    def unregister(
+        self, entries: list[Entry], cause: str = "", request_id: str | None = None
+    ) -> int:
         """Unregister ``entries`` newest first (the caller has taken them out of their
         bucket, or keeps them on purpose); return how many were still live."""
+        if self.observer is not None:
+            entries = self.observer.undoing(cause, request_id, entries)
         unregister = self.pool.guard_unregister
         live = 0
-        for key, block in reversed(entries):
+        for key, block, _ in reversed(entries):
             if unregister(key, block):
                 live += 1
             else:

@@ -8,7 +8,7 @@ multi-block index as the single source of truth and adds two things on top:
 - *recording*: while a sink is set (:meth:`PrefixGuardPool.guard_record_into`, the
   ledger's open step), every ``(key, block)`` pair that ``_insert_block_hash`` newly adds
   is handed to it, attributed to the request whose ``cache_full_blocks`` /
-  ``cache_partial_block`` call made it;
+  ``cache_partial_block`` call made it, with the prefix length the key names;
 - *exact undo*: :meth:`PrefixGuardPool.guard_unregister` removes one recorded pair,
   never a sibling block under the same key, and only if the block still holds that very
   registration. vLLM builds a new key object for every registration, so identity (not
@@ -34,7 +34,9 @@ else:
 class RegistrationSink(Protocol):
     """Where the pool reports the registrations of a step (the ledger's open bucket)."""
 
-    def record(self, request_id: str | None, key: Any, block: Any) -> None: ...
+    def record(
+        self, request_id: str | None, key: Any, block: Any, num_tokens: int | None = None
+    ) -> None: ...
 
 
 class PrefixGuardPool(_PoolBase):
@@ -99,7 +101,9 @@ class PrefixGuardPool(_PoolBase):
         )
         result = super()._insert_block_hash(key, block, *args, **kwargs)
         if is_new:
-            sink.record(self._guard_request_id, key, block)
+            # The prefix length the key names: which tokens' KV the block must hold.
+            num_tokens = kwargs.get("num_tokens", args[0] if args else None)
+            sink.record(self._guard_request_id, key, block, num_tokens)
         return result
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:

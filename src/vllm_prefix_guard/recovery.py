@@ -7,8 +7,8 @@ it in the meantime. Two cases exist, and each reader is made to recompute:
   another request scheduled in the same call counted as computed (vLLM 0.32/0.33 cannot
   produce this: lookups run only when the running loop preempted nobody; a vLLM that can
   would otherwise attend over unwritten KV);
-- *failed-load sharers*: requests that still count a block whose KV load failed as
-  computed, or that registered blocks on top of it.
+- *failed-load readers*: requests that still count KV of a failed load (or KV computed
+  over it) as computed; the ledger finds them from the admissions of the steps in flight.
 
 Every vLLM internal used here is in :data:`vllm_prefix_guard.targets.INTERNALS` and is
 checked at start-up.
@@ -17,9 +17,10 @@ checked at start-up.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.ledger import Admission, FailedLoads, StepLedger
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.targets import CACHED_REQUEST_COLUMNS
 
@@ -51,6 +52,7 @@ def withdraw_dependents(scheduler: Any, output: Any, ledger: StepLedger) -> None
             num_scheduled = withdraw_from_output(output, request.request_id)
             # _update_after_schedule already advanced these for the withdrawn step.
             request.num_in_flight_tokens -= num_scheduled
+            request.num_computed_tokens -= num_scheduled
             scheduler.running.remove(request)
             scheduler._preempt_request(request, now)
         withdrawn += len(dependents)
@@ -89,45 +91,76 @@ def withdraw_from_output(output: Any, request_id: str) -> int:
     return num_scheduled
 
 
-def preempt_failed_load_sharers(
-    scheduler: Any, output: Any, ledger: StepLedger, undone: dict[str, set[int]]
-) -> None:
-    """Preempt running requests that still count a block whose load failed as computed.
+def admissions_of(output: Any) -> list[Admission]:
+    """The requests ``output`` admits (new or resumed from preemption): id, block ids of
+    the first KV cache group, and tokens computed when admitted (prefix-cache hit plus
+    connector-loaded tokens, whose blocks come first)."""
+    admitted = [
+        (new.req_id, list(new.block_ids[0]), new.num_computed_tokens)
+        for new in output.scheduled_new_reqs
+        if new.block_ids
+    ]
+    cached = output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    if resumed:
+        for index, request_id in enumerate(cached.req_ids):
+            block_ids = cached.new_block_ids[index]
+            if request_id in resumed and block_ids:
+                admitted.append((request_id, list(block_ids[0]), cached.num_computed_tokens[index]))
+    return admitted
 
-    vLLM truncates the request that loaded the block; under ``recompute`` it lets every
-    other holder keep the block as computed, trusting the first to rewrite it before they
-    read it, which the scheduler does not guarantee. Each such sharer restarts (its
-    in-flight output dropped, as ``reset_prefix_cache`` does), and its registrations from
-    the failing step on, computed over the invalid KV, are rolled back.
+
+def holder_check(scheduler: Any) -> Callable[[str, int], bool]:
+    """Whether a request still runs holding a block (so it took the block after any
+    reuse of it: a held block is never reallocated)."""
+    running = {request.request_id for request in scheduler.running}
+
+    def holds(request_id: str, block_id: int) -> bool:
+        if request_id not in running:
+            return False
+        return block_id in scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+
+    return holds
+
+
+def rollback_failed_loads(
+    scheduler: Any, output: Any, ledger: StepLedger, invalid: Any
+) -> FailedLoads:
+    """The ledger's failed-load rollback, with what it needs to know of this scheduler:
+    the admissions of each step in flight and who still holds which block."""
+    return ledger.rollback_failed_loads(
+        output, invalid, admissions_of, holder_check(scheduler), scheduler.block_size
+    )
+
+
+def preempt_failed_load_readers(scheduler: Any, ledger: StepLedger, undone: FailedLoads) -> None:
+    """Preempt running requests that still count bad KV of a failed load as computed.
+
+    vLLM truncates, for each invalid block, the first running request that holds it;
+    under ``recompute`` it lets every other holder keep the block as computed, trusting
+    the first to rewrite it before they read it, which the scheduler does not guarantee.
+    So every reader the ledger found restarts (its in-flight output dropped, as
+    ``reset_prefix_cache`` does), and so does a loader vLLM did not truncate below its
+    first bad block (another holder came first). The ledger already rolled back what
+    they computed over the bad KV.
     """
-    from vllm.v1.core.kv_cache_utils import get_block_hash
-
-    failed = set().union(*undone.values())
+    readers, bad = undone.readers, undone.bad_blocks
     block_size = scheduler.block_size
     manager = scheduler.kv_cache_manager
-    sharers = []
+    victims = []
     for request in scheduler.running:
-        if request.request_id in undone:
-            continue
-        computed = -(-request.num_computed_tokens // block_size)
-        block_ids = manager.get_block_ids(request.request_id)[0][:computed]
-        if not failed.isdisjoint(block_ids):
-            sharers.append(request)
-    # A reader preempted or finished since (a later step in flight did it) holds no
-    # blocks to look at; its prefix hashes tell whether it registered on top of the
-    # failed blocks' content. Conservative: at worst valid entries are dropped.
-    failed_hashes = {get_block_hash(key) for key in ledger.take_failed_keys()}
-    running = {request.request_id for request in scheduler.running}
-    for request_id in ledger.requests_from(output) - undone.keys() - running:
-        request = scheduler.requests.get(request_id)
-        if request is not None and not failed_hashes.isdisjoint(request.block_hashes):
-            ledger.rollback_request_from(output, request_id)
+        request_id = request.request_id
+        if request_id in readers:
+            victims.append(request)
+        elif request_id in undone:
+            computed = -(-request.num_computed_tokens // block_size)
+            if any(b in bad for b in manager.get_block_ids(request_id)[0][:computed]):
+                victims.append(request)
     now = time.monotonic()
-    for request in sharers:
-        ledger.rollback_request_from(output, request.request_id)
+    for request in victims:
         scheduler.running.remove(request)
         scheduler._preempt_request(request, now, drop_stale_output=True)
-    count_dependents(ledger, len(sharers))
+    count_dependents(ledger, len(victims))
 
 
 def rewind_cached_block_counts(scheduler: Any, undone: dict[str, set[int]]) -> None:

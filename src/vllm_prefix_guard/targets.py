@@ -163,7 +163,6 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
     ),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
-    _callable(KV_CACHE_UTILS, "get_block_hash", _LOAD, "key"),
     _callable(MANAGER, "KVCacheManager.get_block_ids", _LOAD, "request_id"),
     *_attributes(MANAGER, "KVCacheManager", _LOAD, "enable_caching", "block_pool", "coordinator"),
     *_attributes(COORDINATOR, "KVCacheCoordinator", _LOAD, "single_type_managers"),
@@ -175,13 +174,15 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
         "num_cached_block",
         "block_size",
     ),
-    *_attributes(
-        REQUEST,
-        "Request",
+    *_attributes(REQUEST, "Request", _LOAD, "request_id", "num_computed_tokens"),
+    *_fields(SCHEDULER_OUTPUT, "NewRequestData", _LOAD, "block_ids", "num_computed_tokens"),
+    *_fields(
+        SCHEDULER_OUTPUT,
+        "CachedRequestData",
         _LOAD,
-        "request_id",
+        "resumed_req_ids",
+        "new_block_ids",
         "num_computed_tokens",
-        "block_hashes",
     ),
     *_attributes(REQUEST, "Request", _DEPENDENTS, "num_in_flight_tokens"),
     *_fields(

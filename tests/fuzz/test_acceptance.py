@@ -53,6 +53,18 @@ def test_guard_costs_no_hits_or_preemptions(
         assert status in (OK, EXPLAINED), detail
 
 
+@pytest.mark.parametrize("check", ["guard rolls back only bad KV", "guard commits only valid KV"])
+@pytest.mark.parametrize("config", ALL)
+def test_guard_rollbacks_are_exact(
+    ci_results: dict[str, ConfigResult], config: str, check: str
+) -> None:
+    """The rollback audit (shadow KV): every entry the guard undid held, or would hold
+    once the dispatched steps ran, KV other than its key names, every reader it preempted
+    counted such KV as computed, and no entry it committed held wrong KV."""
+    status, detail = _check(ci_results[config], check)
+    assert status == OK, detail
+
+
 @pytest.mark.parametrize("config", ALL)
 def test_runs_drain_or_stall_only_on_vllms_dropped_output_bug(
     ci_results: dict[str, ConfigResult], config: str

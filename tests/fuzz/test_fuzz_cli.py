@@ -28,7 +28,7 @@ def test_guarded_violation_exits_nonzero_with_a_reproducer(
     """A guard that does nothing (its rollback disabled) must be caught and shrunk."""
     from vllm_prefix_guard.ledger import StepLedger
 
-    monkeypatch.setattr(StepLedger, "rollback_preempted", lambda self, request_id: None)
+    monkeypatch.setattr(StepLedger, "rollback_preempted", lambda self, *args: None)
     argv = ["fuzz", "--seeds", "1", "--config", "victim", "--modes", "stock,guard"]
     assert main([*argv, "--shrink-seconds", "30"]) == 1
     out = capsys.readouterr().out

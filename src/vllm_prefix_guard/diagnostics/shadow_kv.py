@@ -171,6 +171,17 @@ class ShadowWorker:
     def connector(self) -> Any:
         return self.scheduler.connector
 
+    def fork(self) -> ShadowWorker:
+        """A copy to execute steps on without touching this worker: what the KV will hold
+        once the steps in flight ran (the rollback audit's ideal policy asks)."""
+        twin = ShadowWorker(self.scheduler)
+        twin.kv.slots = {block: list(slots) for block, slots in self.kv.slots.items()}
+        twin.kv.versions = dict(self.kv.versions)
+        twin.models = self.models
+        twin.steps_executed = self.steps_executed
+        twin.failure_reports = list(self.failure_reports)
+        return twin
+
     def plan(self, output: Any) -> StepPlan:
         """Capture what ``output`` will do, right after ``schedule()`` returned it."""
         sched = self.scheduler

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--modes",
         default="stock,guard,pr43569",
-        help="comma-separated subset of stock,guard,pr43569 (default: all three)",
+        help="comma-separated subset of stock,guard,pr43569 (default: all three), plus "
+        "ideal: the guard with every rollback filtered by the shadow KV (audit)",
     )
     parser.add_argument("--horizon", type=int, help="arrival iterations per seed")
     parser.add_argument(
@@ -97,13 +98,13 @@ def run(args: argparse.Namespace) -> int:
         summary_table,
         to_json,
     )
-    from vllm_prefix_guard.diagnostics.fuzz.runner import MODES
+    from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, ORACLE_MODES
     from vllm_prefix_guard.errors import GuardUnsupportedError
 
-    unknown = set(modes) - set(MODES)
+    unknown = set(modes) - set(MODES + ORACLE_MODES)
     if unknown:
         bad = ", ".join(sorted(unknown))
-        print(f"unknown mode(s) {bad}; use {', '.join(MODES)}", file=sys.stderr)
+        print(f"unknown mode(s) {bad}; use {', '.join(MODES + ORACLE_MODES)}", file=sys.stderr)
         return EXIT_UNSUPPORTED
     environment = _environment(plugin, targets)
     if "guard" in modes or "pr43569" in modes:

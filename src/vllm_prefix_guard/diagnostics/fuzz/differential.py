@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts
 from vllm_prefix_guard.diagnostics.fuzz.configs import FuzzConfig
 from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, RunResult, run_workload
 
 HIT_TOKEN_FLOOR = 0.999
 
 _PEAKS = {"peak_uncommitted_entries"}
-_NOT_SUMMED = {"mode", "first_violation_iteration", "examples"}
+_NOT_SUMMED = {"mode", "first_violation_iteration", "examples", "audit"}
 
 
 def accumulate(total: RunResult, run: RunResult) -> None:
@@ -45,6 +46,10 @@ def accumulate(total: RunResult, run: RunResult) -> None:
         setattr(total, f.name, max(a, b) if f.name in _PEAKS else a + b)
     if not total.examples and run.examples:
         total.examples = run.examples
+    if run.audit is not None:
+        if total.audit is None:
+            total.audit = AuditCounts()
+        total.audit.merge(run.audit)
 
 
 OK, EXPLAINED, FAIL = "ok", "explained", "FAIL"
@@ -97,6 +102,10 @@ class ConfigResult:
                 bad = totals[mode].violations
                 detail = f"{bad} bad reads" + _seeds_note(self.violating_seeds[mode])
                 checks.append(Check(f"{mode} reads no bad KV", OK if bad == 0 else FAIL, detail))
+        for mode in ("guard",):
+            audit = totals[mode].audit if mode in totals else None
+            if audit is not None:
+                checks += _audit_checks(mode, audit)
         if "stock" not in totals:
             return [*checks, self._drain_check()]
         stock = totals["stock"]
@@ -111,7 +120,7 @@ class ConfigResult:
                 )
             )
         if "guard" in totals:
-            checks += _guard_vs_stock(totals["guard"], stock)
+            checks += _guard_vs_stock(totals["guard"], stock, totals.get("ideal"))
         return [*checks, self._drain_check()]
 
     def _drain_check(self) -> Check:
@@ -135,7 +144,37 @@ class ConfigResult:
         return all(c.ok for c in self.checks())
 
 
-def _guard_vs_stock(guard: RunResult, stock: RunResult) -> list[Check]:
+def _audit_checks(mode: str, audit: AuditCounts) -> list[Check]:
+    """The rollback audit's verdicts: exact rollbacks, no missed ones."""
+    valid = audit.valid_rolled_back
+    clean = audit.clean_readers_preempted
+    detail = f"{valid} valid entries rolled back, {clean} clean readers preempted"
+    if valid:
+        detail += f" ({audit.causes_text()})"
+    missed = audit.invalid_committed
+    return [
+        Check(f"{mode} rolls back only bad KV", OK if valid == clean == 0 else FAIL, detail),
+        Check(
+            f"{mode} commits only valid KV",
+            OK if missed == 0 else FAIL,
+            f"{missed} entries committed on wrong KV",
+        ),
+    ]
+
+
+def _is_ideal(guard: RunResult, ideal: RunResult | None) -> bool:
+    """Whether the guard's run is the ideal policy's: every rollback and preemption it
+    made was needed (audited), so the oracle-filtered run takes the same decisions;
+    or the ideal mode ran and got no more hits."""
+    if ideal is not None:
+        return guard.hit_tokens >= ideal.hit_tokens
+    audit = guard.audit
+    return audit is not None and audit.valid_rolled_back == 0 and audit.clean_readers_preempted == 0
+
+
+def _guard_vs_stock(
+    guard: RunResult, stock: RunResult, ideal: RunResult | None = None
+) -> list[Check]:
     valid = stock.valid_hit_tokens
     ratio = percent(guard.hit_tokens, stock.hit_tokens)
     hits_detail = f"{guard.hit_tokens} vs {stock.hit_tokens} ({ratio})"
@@ -143,6 +182,16 @@ def _guard_vs_stock(guard: RunResult, stock: RunResult) -> list[Check]:
         hits_detail += (
             f"; stock's include {stock.invalid_hit_tokens} on bad KV, "
             f"vs its {valid} valid hits: {percent(guard.hit_tokens, valid)}"
+        )
+    # Below stock's valid hits with exact rollbacks: the guard's run is the ideal
+    # policy's, and the rest is the schedule diverging after necessary rollbacks and
+    # preemptions (stock reads bad KV instead), not KV the guard dropped.
+    exact = _is_ideal(guard, ideal)
+    if exact and guard.hit_tokens < HIT_TOKEN_FLOOR * valid:
+        hits_detail += (
+            "; every rollback and preemption was needed (the ideal policy's run"
+            + (f", {ideal.hit_tokens} hits" if ideal is not None else "")
+            + "): schedule divergence, no valid KV dropped"
         )
     extra = guard.preemptions - stock.preemptions
     explainable = stock.bad_admissions + guard.dependents_preempted
@@ -157,7 +206,7 @@ def _guard_vs_stock(guard: RunResult, stock: RunResult) -> list[Check]:
             "guard hit tokens >= 99.9% of stock",
             _status(
                 guard.hit_tokens >= HIT_TOKEN_FLOOR * stock.hit_tokens,
-                guard.hit_tokens >= HIT_TOKEN_FLOOR * valid,
+                guard.hit_tokens >= HIT_TOKEN_FLOOR * valid or (exact and stock.violations > 0),
             ),
             hits_detail,
         ),
@@ -190,7 +239,7 @@ def run_seed(
 ) -> dict[str, RunResult]:
     """Every mode on the workload of ``seed``."""
     workload = config.workload(seed, horizon)
-    return {mode: run_workload(workload, mode) for mode in modes}
+    return {mode: run_workload(workload, mode, audit=mode == "guard") for mode in modes}
 
 
 def run_matrix(

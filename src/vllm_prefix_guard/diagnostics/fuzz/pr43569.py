@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 from vllm_prefix_guard.ledger import StepLedger
 
+#: How diagnostics name the in-flight entries this scope undoes.
+PREEMPTED_IN_FLIGHT = "preempted (in flight, pr43569)"
+
 
 @dataclass
 class EveryStepInFlight:
@@ -40,7 +43,7 @@ class EveryStepInFlight:
         for bucket in ledger.in_flight_buckets():
             entries = bucket.by_request.get(request_id)
             if entries:
-                undone += ledger.unregister(entries)
+                undone += ledger.unregister(entries, PREEMPTED_IN_FLIGHT, request_id)
         if undone:
             ledger.stats.rolled_back_preempted += undone
             self.entries += undone

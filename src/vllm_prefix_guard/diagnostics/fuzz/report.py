@@ -120,6 +120,18 @@ def checks_text(results: list[ConfigResult]) -> str:
     return "\n".join(lines)
 
 
+def _audit_json(run: RunResult) -> dict[str, Any] | None:
+    """Rolled-back entries by cause and verdict (``fuzz.audit``), if audited."""
+    if run.audit is None:
+        return None
+    return {
+        "by_cause": {cause: dict(counter) for cause, counter in run.audit.by_cause.items()},
+        "valid_rolled_back": run.audit.valid_rolled_back,
+        "invalid_committed": run.audit.invalid_committed,
+        "clean_readers_preempted": run.audit.clean_readers_preempted,
+    }
+
+
 def to_json(
     results: list[ConfigResult],
     environment: dict[str, Any],
@@ -139,10 +151,10 @@ def to_json(
                 "modes": {
                     mode: {
                         k: v
-                        for k, v in dataclasses.asdict(run).items()
-                        if k not in ("mode", "first_violation_iteration")
+                        for k, v in dataclasses.asdict(dataclasses.replace(run, audit=None)).items()
+                        if k not in ("mode", "first_violation_iteration", "audit")
                     }
-                    | {"violations": run.violations}
+                    | {"violations": run.violations, "audit": _audit_json(run)}
                     for mode, run in result.totals.items()
                 },
                 "violating_seeds": result.violating_seeds,

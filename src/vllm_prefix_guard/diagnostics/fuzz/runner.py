@@ -26,7 +26,7 @@ KV that was never written (or holds another prefix) is counted. Metrics (all exa
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +34,7 @@ from typing import Any
 
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts, IdealPolicy, RollbackAudit
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight, adopt_pr43569_scope
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
@@ -41,6 +42,8 @@ from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT
 from vllm_prefix_guard.hooks import ledger_of
 
 MODES = ("stock", "guard", "pr43569")
+#: Not run by default: the guard with the shadow KV deciding its rollbacks (``audit``).
+ORACLE_MODES = ("ideal",)
 
 #: Iterations a run may take after its last event before it is declared stalled.
 DRAIN_ITERATIONS = 5_000
@@ -86,6 +89,8 @@ class RunResult:
     # Up to the oracle's first 100 bad reads: (step, request, position, block, kind).
     examples: list[tuple[int, str, int, int, str]] = field(default_factory=list)
     seconds: float = 0.0
+    # Rollback audit (run_workload(audit=True)): rolled-back entries by cause and verdict.
+    audit: AuditCounts | None = None
 
     @property
     def violations(self) -> int:
@@ -120,7 +125,9 @@ def guard_state(on: bool) -> Iterator[None]:
             plugin.undo()
 
 
-def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = False) -> RunResult:
+def run_workload(
+    workload: Workload, mode: str, *, stop_on_violation: bool = False, audit: bool = False
+) -> RunResult:
     """Run ``workload`` to completion (every request finished) in ``mode``.
 
     A run that still has requests ``DRAIN_ITERATIONS`` after its last event is wedged
@@ -131,8 +138,9 @@ def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = Fal
         stop_on_violation: return right after the first step that read bad KV (the
             shrinker only needs to know whether a violation happens, and where).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode not in MODES + ORACLE_MODES:
+        expected = ", ".join(MODES + ORACLE_MODES)
+        raise ValueError(f"unknown mode {mode!r}; expected one of {expected}")
     started = time.perf_counter()
     with guard_state(mode != "stock"):
         scheduler = make_scheduler(workload.spec)
@@ -143,6 +151,11 @@ def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = Fal
             else EveryStepInFlight()
         )
         driver = MeteredDriver(scheduler, workload.depth)
+        auditor: RollbackAudit | None = None
+        if ledger is not None and mode == "ideal":
+            auditor = IdealPolicy(scheduler, ledger, driver)
+        elif ledger is not None and audit:
+            auditor = RollbackAudit(scheduler, ledger, driver)
         requests = []
         pending = deque(workload.events)
         arrival = 0
@@ -175,6 +188,12 @@ def run_workload(workload: Workload, mode: str, *, stop_on_violation: bool = Fal
                 limit = iteration + DRAIN_ITERATIONS
         result = _result(mode, driver, requests, ledger, in_flight, first_violation)
         result.resets_refused = resets_refused
+        if auditor is not None:
+            result.audit = auditor.finish()
+            if isinstance(auditor, IdealPolicy):
+                result.audit.by_cause["(ideal: kept by the oracle)"] = Counter(
+                    entries=auditor.kept_entries, readers=auditor.kept_readers
+                )
         result.wedged_runs = int(released > 0)
         result.released_requests = released
         if iteration > limit:
