@@ -1,23 +1,25 @@
 """Differential runs: every mode on the same seeds, totals per configuration, and verdicts.
 
-The acceptance checks (issue 3) are computed here, once, for the CLI, the soak and CI:
+The acceptance checks are computed here, once, for the CLI, the soak and CI:
 
 - the guard reads no bad KV, in any configuration;
 - stock vLLM does, in every targeted configuration (otherwise the run proved nothing);
-- the guard's hit tokens are at least 99.9 % of stock's, and its preemptions no more;
+- the guard's rollbacks are exact (audited against the shadow KV: it undoes only entries
+  whose KV is wrong, preempts only readers of wrong KV, and commits only valid KV);
+- the guard's hit tokens are at least stock's hits on *valid* KV, and its preemptions
+  no more than stock's;
 - PR #43569's scope is measured alongside and must be as clean as the guard;
 - every run drains (requests left long after the last event are a liveness finding).
 
-Where stock reads bad KV the comparison is between a wrong execution and a right one,
-and the last two checks can miss for that reason alone: stock's hits include hits on
-never-written blocks, and every admission that read such blocks skipped computing
-tokens the guard computes, which can cost the guard a preemption later in a tight
-pool. Such a miss is reported as *explained*, never silently passed, and only when the
-numbers account for it: the guard's hits reach 99.9 % of stock's *valid* hits, and its
-extra preemptions are at most stock's bad admissions plus the readers the guard itself
-preempted to recompute rolled-back blocks (a KV-load failure's sharers: stock lets them
-read the invalid KV instead). Where stock reads nothing bad,
-guard and stock take the same decisions, and the checks are strict.
+Where stock reads bad KV the comparison is between a wrong execution and a right one:
+every admission that read bad KV skipped computing tokens the guard computes, and the
+schedules part from there. A hit or preemption comparison that misses is then reported
+as *explained*, never silently passed, and only when the numbers account for it: for
+hits, every rollback and preemption the guard made was needed (the audit, or the ideal
+policy's run), so the difference is divergence, not KV the guard dropped; for
+preemptions, the excess is at most stock's bad admissions plus the readers the guard
+preempted to recompute rolled-back blocks. Where stock reads nothing bad, guard and
+stock take the same decisions, and the checks are strict.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts
 from vllm_prefix_guard.diagnostics.fuzz.configs import FuzzConfig
 from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, RunResult, run_workload
 
-HIT_TOKEN_FLOOR = 0.999
+HITS_CHECK = "guard hit tokens >= stock's valid hit tokens"
 
 _PEAKS = {"peak_uncommitted_entries"}
 _NOT_SUMMED = {"mode", "first_violation_iteration", "examples", "audit"}
@@ -175,23 +177,26 @@ def _is_ideal(guard: RunResult, ideal: RunResult | None) -> bool:
 def _guard_vs_stock(
     guard: RunResult, stock: RunResult, ideal: RunResult | None = None
 ) -> list[Check]:
+    """Hits against stock's *valid* hits (stock's others read bad KV), and preemptions.
+
+    The guard must get at least every hit stock got on right KV. Below that, the run is
+    explained only if every rollback and reader preemption it made was needed (the
+    audit says so, or the ideal policy's run gets no more hits): then the difference is
+    the schedule diverging after those necessary decisions (stock attended over bad KV
+    where the guard recomputed), and the detail says how much.
+    """
     valid = stock.valid_hit_tokens
-    ratio = percent(guard.hit_tokens, stock.hit_tokens)
-    hits_detail = f"{guard.hit_tokens} vs {stock.hit_tokens} ({ratio})"
+    hits_detail = f"{guard.hit_tokens} vs {valid} ({percent(guard.hit_tokens, valid)})"
     if stock.invalid_hit_tokens:
         hits_detail += (
-            f"; stock's include {stock.invalid_hit_tokens} on bad KV, "
-            f"vs its {valid} valid hits: {percent(guard.hit_tokens, valid)}"
+            f"; stock's {stock.hit_tokens} hits include {stock.invalid_hit_tokens} on bad KV"
         )
-    # Below stock's valid hits with exact rollbacks: the guard's run is the ideal
-    # policy's, and the rest is the schedule diverging after necessary rollbacks and
-    # preemptions (stock reads bad KV instead), not KV the guard dropped.
     exact = _is_ideal(guard, ideal)
-    if exact and guard.hit_tokens < HIT_TOKEN_FLOOR * valid:
+    if guard.hit_tokens < valid and exact:
         hits_detail += (
-            "; every rollback and preemption was needed (the ideal policy's run"
-            + (f", {ideal.hit_tokens} hits" if ideal is not None else "")
-            + "): schedule divergence, no valid KV dropped"
+            f"; below by {valid - guard.hit_tokens}, with every rollback and preemption needed"
+            + (f" (the ideal policy's run: {ideal.hit_tokens} hits)" if ideal is not None else "")
+            + ": schedule divergence, no valid KV dropped"
         )
     extra = guard.preemptions - stock.preemptions
     explainable = stock.bad_admissions + guard.dependents_preempted
@@ -203,11 +208,8 @@ def _guard_vs_stock(
         )
     return [
         Check(
-            "guard hit tokens >= 99.9% of stock",
-            _status(
-                guard.hit_tokens >= HIT_TOKEN_FLOOR * stock.hit_tokens,
-                guard.hit_tokens >= HIT_TOKEN_FLOOR * valid or (exact and stock.violations > 0),
-            ),
+            HITS_CHECK,
+            _status(guard.hit_tokens >= valid, exact and stock.violations > 0),
             hits_detail,
         ),
         Check(
