@@ -34,7 +34,7 @@ plus, on a KV-load failure only, O(blocks the in-flight steps' admissions hit).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -44,9 +44,9 @@ from vllm_prefix_guard.stats import GuardStats
 # (key, block, prefix length the key names) as recorded by the pool.
 Entry = tuple[Any, Any, "int | None"]
 
-# (request id, its block ids (first KV cache group), tokens computed when admitted):
-# one request admitted (new or resumed) by a step, read off its SchedulerOutput.
-Admission = tuple[str, list[int], int]
+# (request id, its block ids per KV-cache group, tokens computed when admitted): one
+# request admitted (new or resumed) by a step, read off its SchedulerOutput.
+Admission = tuple[str, Sequence[Sequence[int]], int]
 
 # Why entries are undone: the ledger path, as diagnostics classify rollbacks.
 PREEMPTED = "preempted"
@@ -61,6 +61,42 @@ def written_below(entry: Entry, upto: int) -> bool:
     """Whether every token the entry's key names lies below ``upto``."""
     num_tokens = entry[2]
     return num_tokens is not None and 0 < num_tokens <= upto
+
+
+def blocks_read(
+    block_ids: Sequence[Sequence[int]], num_computed: int, block_sizes: Sequence[int]
+) -> Iterator[int]:
+    """The blocks, in every KV-cache group, that hold a request's first ``num_computed``
+    tokens (each group in its own block size)."""
+    for group, size in zip(block_ids, block_sizes, strict=True):
+        yield from group[: -(-num_computed // size)]
+
+
+def block_start(entry: Entry, block_size: int) -> int:
+    """The first token of the block an entry registered (0 when its length is unknown)."""
+    num_tokens = entry[2]
+    return 0 if not num_tokens else (num_tokens - 1) // block_size * block_size
+
+
+class SchedulerView(Protocol):
+    """What a failed-load rollback needs to know of the scheduler (``recovery`` gives it)."""
+
+    @property
+    def group_block_sizes(self) -> Sequence[int]:
+        """Tokens per block of each KV-cache group (a hybrid model's groups differ)."""
+        ...
+
+    def admissions(self, output: object) -> Iterable[Admission]:
+        """The requests the step of ``output`` admitted, and on which blocks."""
+        ...
+
+    def holds(self, request_id: str, block_id: int) -> bool:
+        """Whether a request still runs holding a block (taken after any reuse of it)."""
+        ...
+
+    def block_size_of(self, key: Any) -> int:
+        """Tokens per block of the KV-cache group a registration's key belongs to."""
+        ...
 
 
 class FailedLoads(dict[str, set[int]]):
@@ -347,20 +383,16 @@ class StepLedger:
         self,
         output: object,
         invalid_block_ids: Iterable[int],
-        admissions: Callable[[object], Iterable[Admission]] | None = None,
-        holds: Callable[[str, int], bool] | None = None,
-        block_size: int = 0,
+        scheduler: SchedulerView | None = None,
     ) -> FailedLoads:
         """Undo registrations whose KV failed to load in the step of ``output``, and every
         registration computed over such KV in that step or a later one in flight.
 
-        Without ``admissions`` (which requests each step admitted, and on which blocks)
-        only the loaders are followed, and all their later in-flight entries go.
-
-        Args:
-            admissions: the admissions of a dispatched step's output.
-            holds: whether a request still holds a block now (running, in its table).
-            block_size: tokens per block (of the first KV cache group).
+        A loader loses, in every KV-cache group, its entries past the first token whose
+        KV failed (in any group: a hybrid model computes every group's KV of a token
+        from all groups' KV of the tokens before it). Without ``scheduler`` (which
+        requests each step admitted, on which blocks) only the loaders are followed, and
+        all their later in-flight entries go.
 
         Returns:
             loader id -> ids of the blocks whose registration was undone, with
@@ -377,13 +409,13 @@ class StepLedger:
         # Block id -> whether an undone entry on it was still registered (False: the
         # block was evicted and reused since, so a hit on it may be on its new content).
         bad: dict[int, bool] = dict.fromkeys(invalid, False)
-        loaders = self._undo_loaders(steps[0][1], invalid, bad, result)
+        loaders = self._undo_loaders(steps[0][1], invalid, bad, result, scheduler)
         # Request -> whether its computation in the step being walked reads bad KV.
         tainted = dict.fromkeys(loaders, True)
         for index, (step_output, bucket) in enumerate(steps):
-            admitted: dict[str, tuple[list[int], int]] = {}
-            if admissions is not None:
-                for request_id, block_ids, num_computed in admissions(step_output):
+            admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
+            if scheduler is not None:
+                for request_id, block_ids, num_computed in scheduler.admissions(step_output):
                     if index or request_id not in loaders:
                         admitted[request_id] = (block_ids, num_computed)
                         tainted.pop(request_id, None)  # admitted afresh: judged below
@@ -395,6 +427,8 @@ class StepLedger:
                         undone = self._undo_bad(bucket.pop_request(owner), bad, cause, owner)
                         if owner in result:
                             result[owner].update(undone)
+            if scheduler is None:
+                continue
             # Admissions on a hit that includes a bad block, until none is left to add
             # (a same-step hit on a block a reader registered here is bad as well).
             changed = True
@@ -402,12 +436,13 @@ class StepLedger:
                 changed = False
                 for request_id, (block_ids, num_computed) in list(admitted.items()):
                     own = {e[1].block_id for e in bucket.by_request.get(request_id, ())}
-                    read = block_ids[: -(-num_computed // block_size)] if block_size else ()
                     if not any(
                         block_id in bad
                         and block_id not in own
-                        and (bad[block_id] or holds is None or not holds(request_id, block_id))
-                        for block_id in read
+                        and (bad[block_id] or not scheduler.holds(request_id, block_id))
+                        for block_id in blocks_read(
+                            block_ids, num_computed, scheduler.group_block_sizes
+                        )
                     ):
                         continue
                     del admitted[request_id]
@@ -427,19 +462,36 @@ class StepLedger:
         return result
 
     def _undo_loaders(
-        self, bucket: StepBucket, invalid: set[int], bad: dict[int, bool], result: FailedLoads
+        self,
+        bucket: StepBucket,
+        invalid: set[int],
+        bad: dict[int, bool],
+        result: FailedLoads,
+        scheduler: SchedulerView | None,
     ) -> set[str]:
-        """Undo each loader's entries from its first invalid block on; return the loaders."""
+        """Undo each loader's entries past its first failed token; return the loaders.
+
+        Without ``scheduler`` (block sizes unknown) a loader loses its entries from its
+        first invalid one on, which is the same thing for a single KV-cache group.
+        """
         loaders = set()
         for request_id, entries in list(bucket.by_request.items()):
             if request_id is None:
                 continue
-            first = next(
-                (i for i, entry in enumerate(entries) if entry[1].block_id in invalid), None
-            )
+            first = next((i for i, e in enumerate(entries) if e[1].block_id in invalid), None)
             if first is None:
                 continue
-            failed = bucket.pop_request_from(request_id, first)
+            if scheduler is None:
+                failed = bucket.pop_request_from(request_id, first)
+            else:
+                failed_from = min(
+                    block_start(e, scheduler.block_size_of(e[0]))
+                    for e in entries
+                    if e[1].block_id in invalid
+                )
+                bucket.pop_request(request_id)
+                bucket.keep(request_id, [e for e in entries if written_below(e, failed_from)])
+                failed = [e for e in entries if not written_below(e, failed_from)]
             result[request_id] = self._undo_bad(failed, bad, LOADER, request_id)
             loaders.add(request_id)
         return loaders

@@ -17,10 +17,10 @@ checked at start-up.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vllm_prefix_guard.ledger import Admission, FailedLoads, StepLedger
+from vllm_prefix_guard.ledger import Admission, FailedLoads, StepLedger, blocks_read
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.targets import CACHED_REQUEST_COLUMNS
 
@@ -92,11 +92,11 @@ def withdraw_from_output(output: Any, request_id: str) -> int:
 
 
 def admissions_of(output: Any) -> list[Admission]:
-    """The requests ``output`` admits (new or resumed from preemption): id, block ids of
-    the first KV cache group, and tokens computed when admitted (prefix-cache hit plus
+    """The requests ``output`` admits (new or resumed from preemption): id, block ids per
+    KV-cache group, and tokens computed when admitted (prefix-cache hit plus
     connector-loaded tokens, whose blocks come first)."""
-    admitted = [
-        (new.req_id, list(new.block_ids[0]), new.num_computed_tokens)
+    admitted: list[Admission] = [
+        (new.req_id, new.block_ids, new.num_computed_tokens)
         for new in output.scheduled_new_reqs
         if new.block_ids
     ]
@@ -106,31 +106,52 @@ def admissions_of(output: Any) -> list[Admission]:
         for index, request_id in enumerate(cached.req_ids):
             block_ids = cached.new_block_ids[index]
             if request_id in resumed and block_ids:
-                admitted.append((request_id, list(block_ids[0]), cached.num_computed_tokens[index]))
+                admitted.append((request_id, block_ids, cached.num_computed_tokens[index]))
     return admitted
 
 
-def holder_check(scheduler: Any) -> Callable[[str, int], bool]:
-    """Whether a request still runs holding a block (so it took the block after any
-    reuse of it: a held block is never reallocated)."""
-    running = {request.request_id for request in scheduler.running}
+class LiveScheduler:
+    """The :class:`~vllm_prefix_guard.ledger.SchedulerView` of a real scheduler, taken
+    when a step reports failed loads (before vLLM's own handling frees anything)."""
 
-    def holds(request_id: str, block_id: int) -> bool:
-        if request_id not in running:
+    def __init__(self, scheduler: Any) -> None:
+        from vllm.v1.core.kv_cache_utils import get_group_id
+
+        self._scheduler = scheduler
+        self._group_of = get_group_id
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        self.group_block_sizes: Sequence[int] = [int(manager.block_size) for manager in managers]
+        self._running = {request.request_id for request in scheduler.running}
+
+    def admissions(self, output: object) -> list[Admission]:
+        return admissions_of(output)
+
+    def holds(self, request_id: str, block_id: int) -> bool:
+        if request_id not in self._running:
             return False
-        return block_id in scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+        return any(
+            block_id in group
+            for group in self._scheduler.kv_cache_manager.get_block_ids(request_id)
+        )
 
-    return holds
+    def block_size_of(self, key: Any) -> int:
+        return int(self.group_block_sizes[self._group_of(key)])
+
+    def computed_blocks(self, request: Any) -> Iterator[int]:
+        """The blocks holding ``request``'s computed tokens, in every group."""
+        return blocks_read(
+            self._scheduler.kv_cache_manager.get_block_ids(request.request_id),
+            request.num_computed_tokens,
+            self.group_block_sizes,
+        )
 
 
 def rollback_failed_loads(
     scheduler: Any, output: Any, ledger: StepLedger, invalid: Any
 ) -> FailedLoads:
-    """The ledger's failed-load rollback, with what it needs to know of this scheduler:
-    the admissions of each step in flight and who still holds which block."""
-    return ledger.rollback_failed_loads(
-        output, invalid, admissions_of, holder_check(scheduler), scheduler.block_size
-    )
+    """The ledger's failed-load rollback, told what it needs of this scheduler: the
+    admissions of each step in flight, who holds which block, each group's block size."""
+    return ledger.rollback_failed_loads(output, invalid, LiveScheduler(scheduler))
 
 
 def preempt_failed_load_readers(scheduler: Any, ledger: StepLedger, undone: FailedLoads) -> None:
@@ -141,21 +162,17 @@ def preempt_failed_load_readers(scheduler: Any, ledger: StepLedger, undone: Fail
     the first to rewrite it before they read it, which the scheduler does not guarantee.
     So every reader the ledger found restarts (its in-flight output dropped, as
     ``reset_prefix_cache`` does), and so does a loader vLLM did not truncate below its
-    first bad block (another holder came first). The ledger already rolled back what
-    they computed over the bad KV.
+    first bad block in some KV-cache group (another holder came first).
+    The ledger already rolled back what they computed over the bad KV.
     """
     readers, bad = undone.readers, undone.bad_blocks
-    block_size = scheduler.block_size
-    manager = scheduler.kv_cache_manager
-    victims = []
-    for request in scheduler.running:
-        request_id = request.request_id
-        if request_id in readers:
-            victims.append(request)
-        elif request_id in undone:
-            computed = -(-request.num_computed_tokens // block_size)
-            if any(b in bad for b in manager.get_block_ids(request_id)[0][:computed]):
-                victims.append(request)
+    view = LiveScheduler(scheduler)
+    victims = [
+        request
+        for request in scheduler.running
+        if request.request_id in readers
+        or (request.request_id in undone and any(b in bad for b in view.computed_blocks(request)))
+    ]
     now = time.monotonic()
     for request in victims:
         scheduler.running.remove(request)

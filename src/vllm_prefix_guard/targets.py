@@ -163,6 +163,7 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
     ),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
+    _callable(KV_CACHE_UTILS, "get_group_id", _LOAD, "key"),
     _callable(MANAGER, "KVCacheManager.get_block_ids", _LOAD, "request_id"),
     *_attributes(MANAGER, "KVCacheManager", _LOAD, "enable_caching", "block_pool", "coordinator"),
     *_attributes(COORDINATOR, "KVCacheCoordinator", _LOAD, "single_type_managers"),

@@ -15,6 +15,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 
 
@@ -34,8 +35,9 @@ class FakeLoadMetadata(KVConnectorMetadata):
     loads: list[PlannedLoad] = field(default_factory=list)
 
 
-class FakeLoadConnector(KVConnectorBase_V1):
-    """Scheduler role only; the worker half is the shadow-KV runner."""
+class FakeLoadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Scheduler role only; the worker half is the shadow-KV runner. It loads the first
+    KV-cache group (full attention); on a hybrid model the others are computed."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -77,6 +79,11 @@ class FakeLoadConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
         return False, None
 
     # -- worker side: unused, the shadow-KV runner executes the loads ----------------

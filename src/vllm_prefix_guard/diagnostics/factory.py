@@ -47,6 +47,10 @@ class SchedulerSpec:
     enable_prefix_caching: bool = True
     # Admission requires only the next chunk to fit (the notes' reproduction needs it).
     reserve_full_isl: bool = False
+    # > 0: a second KV-cache group, sliding window of this many tokens over blocks twice
+    # as large (a hybrid model whose groups differ in block size; the scheduler steps in
+    # the larger one and hashes in the smaller).
+    sliding_window: int = 0
     # "fail" or "recompute" attaches the fake KV connector with that load-failure policy.
     kv_load_failure_policy: Literal["fail", "recompute"] | None = None
     # Any other SchedulerConfig field, passed through.
@@ -144,6 +148,21 @@ def kv_cache_config(spec: SchedulerSpec, hybrid_mamba: bool = False) -> Any:
             ),
         )
     ]
+    if spec.sliding_window:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        groups.append(
+            KVCacheGroupSpec(
+                ["layer.window"],
+                SlidingWindowSpec(
+                    block_size=2 * spec.block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                    sliding_window=spec.sliding_window,
+                ),
+            )
+        )
     if hybrid_mamba:
         from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -170,11 +189,15 @@ def make_scheduler(spec: SchedulerSpec | None = None, **overrides: Any) -> Any:
 
     vllm_config = _vllm_config(spec)
     cls = AsyncScheduler if spec.async_scheduling else Scheduler
+    extra: dict[str, Any] = {}
+    if spec.sliding_window:
+        # Scheduling granularity: the LCM of the groups' block sizes; hashing: the GCD.
+        extra = {"block_size": 2 * spec.block_size, "hash_block_size": spec.block_size}
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config(spec),
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=spec.block_size,
+        **{"block_size": spec.block_size, **extra},
         log_stats=True,
     )
 

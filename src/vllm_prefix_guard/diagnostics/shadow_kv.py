@@ -160,7 +160,10 @@ class ShadowWorker:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.block_size: int = scheduler.block_size
+        # The oracle follows the first KV-cache group (full attention); on a hybrid model
+        # the scheduler's own block size is the LCM of every group's.
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self.block_size: int = groups[0].kv_cache_spec.block_size
         self.kv = ShadowKV(self.block_size)
         self.models: dict[str, TokenModel] = {}
         self.steps_executed = 0

@@ -112,7 +112,7 @@ class RollbackAudit:
         self.scheduler = scheduler
         self.ledger = ledger
         self.driver = driver
-        self.block_size: int = scheduler.block_size
+        self.block_size: int = driver.worker.block_size
         self.counts = AuditCounts()
         self.step = 0  # index of the open (next) schedule() call
         self._step_of: dict[int, int] = {}  # id(output) -> step, until it executed
