@@ -20,7 +20,12 @@ from guard_demo.compare import (
 )
 from guard_demo.metrics import MetricsSnapshot, guard_counters_by_engine, read_guard_rollbacks
 from guard_demo.processes import live_pids
-from guard_demo.server import GUARD_STATS_FILE_ENV, ApiServer, shutdown_problems
+from guard_demo.server import (
+    GUARD_STATS_FILE_ENV,
+    ApiServer,
+    known_vllm_shutdown_race,
+    shutdown_problems,
+)
 from guard_demo.tiny_model import generate_tiny_model, weights_digest
 from guard_demo.workload import make_workload
 
@@ -204,6 +209,31 @@ def test_shutdown_problems_in_a_log() -> None:
         ]
     )
     assert len(shutdown_problems(log)) == 4
+
+
+_RACE = [
+    "(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906] AsyncLLM output_handler failed.",
+    "(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906] Traceback (most recent call last):",
+    '(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906]   File "async_llm.py", line 849',
+    "(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906] vllm.v1.engine.exceptions."
+    "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+]
+_CLEANUP = (
+    "(APIServer pid=1) INFO 12-01 05:25:48 [core_client.py:775] [shutdown] MPClient: cleaning up "
+    "background resources"
+)
+
+
+def test_vllm_shutdown_race_is_told_apart_from_real_tracebacks() -> None:
+    """vLLM's own shutdown race (vllm#48745) logs an EngineDeadError traceback after the engine
+    client's cleanup began: recognised, and only there."""
+    after_cleanup = "\n".join([_CLEANUP, *_RACE, "INFO:     Shutting down"])
+    assert shutdown_problems(after_cleanup) == []
+    assert known_vllm_shutdown_race(after_cleanup) == _RACE
+    mid_run = "\n".join([*_RACE, _CLEANUP])  # the engine died while serving
+    assert len(shutdown_problems(mid_run)) == 2 and known_vllm_shutdown_race(mid_run) == []
+    other_process = "\n".join([_CLEANUP.replace("pid=1", "pid=2"), *_RACE])
+    assert len(shutdown_problems(other_process)) == 2
 
 
 def test_live_pids_filter_by_command_line_and_group(tmp_path: Path) -> None:
