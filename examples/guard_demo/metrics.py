@@ -27,6 +27,7 @@ __all__ = [
     "MetricsTracer",
     "guard_counters_by_engine",
     "parse_samples",
+    "per_engine",
     "read_guard_rollbacks",
     "read_guard_stats_files",
     "settled_scrape",
@@ -111,6 +112,26 @@ def guard_counters_by_engine(text: str) -> dict[str, dict[str, float]]:
             counters[GUARD_SAMPLES[short]] = value
     for counters in engines.values():
         counters["rolled_back"] = sum(counters.get(key, 0.0) for key in ROLLBACK_CAUSES.values())
+    return dict(sorted(engines.items()))
+
+
+#: vLLM's per-engine counters the demo reports next to the guard's.
+VLLM_PER_ENGINE = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+def per_engine(text: str) -> dict[str, dict[str, float]]:
+    """:func:`guard_counters_by_engine` plus vLLM's prefix-cache queries and hits and its
+    preemptions, by ``engine`` label (engines without guard series included)."""
+    engines = guard_counters_by_engine(text)
+    for name, labels, value in parse_samples(text):
+        if name in VLLM_PER_ENGINE:
+            counters = engines.setdefault(labels.get("engine", "?"), {})
+            key = VLLM_PER_ENGINE[name]
+            counters[key] = counters.get(key, 0.0) + value
     return dict(sorted(engines.items()))
 
 

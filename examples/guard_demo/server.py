@@ -51,8 +51,9 @@ GUARDED_NUM_GPU_BLOCKS = 24
 #: KV blocks of the reference server: large enough never to preempt, 16 sequences of 512 tokens
 #: (the :func:`serve_args` defaults) plus the null block.
 REFERENCE_NUM_GPU_BLOCKS = 16 * 16 + 1
-#: Seconds an api_server may take to answer /health (about 25 s alone on two cores).
-STARTUP_TIMEOUT_S = 300.0
+#: Seconds an api_server may take to answer /health: about 25 s alone on two idle cores; with
+#: two EngineCores (DP=2) next to other servers on two busy cores, 330-480 s were measured.
+STARTUP_TIMEOUT_S = 600.0
 #: Where the guard writes its counters (``vllm_prefix_guard.hooks``).
 GUARD_STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
 SERVED_MODEL_NAME = "tiny-llama"
