@@ -150,6 +150,8 @@ def _guard_line(counters: dict[str, float]) -> str:
 
     queries = counters.get("prefix_cache_queries", 0.0)
     hits = f"{counters.get('prefix_cache_hits', 0.0) / queries:.1%}" if queries else "n/a"
+    if "registrations_tracked" not in counters:  # stock vLLM: no guard series
+        return f"hits {hits}, {n('preemptions')} preemptions; no guard series"
     return (
         f"hits {hits}, {n('preemptions')} preemptions; guard: "
         f"{n('registrations_tracked')} registrations tracked, {n('rolled_back')} rolled back\n"

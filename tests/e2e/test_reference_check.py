@@ -18,7 +18,12 @@ from guard_demo.compare import (
     compare_completions,
     find_mismatches,
 )
-from guard_demo.metrics import MetricsSnapshot, guard_counters_by_engine, read_guard_rollbacks
+from guard_demo.metrics import (
+    MetricsSnapshot,
+    guard_counters_by_engine,
+    per_engine,
+    read_guard_rollbacks,
+)
 from guard_demo.processes import live_pids
 from guard_demo.server import (
     GUARD_STATS_FILE_ENV,
@@ -97,6 +102,26 @@ def test_metrics_parsing_sums_label_sets() -> None:
         ]
     )
     assert MetricsSnapshot.parse(text) == MetricsSnapshot(64.0, 32.0, 5.0)
+
+
+def test_per_engine_counters_of_stock_and_guarded_servers() -> None:
+    from guard_demo.__main__ import _guard_line
+
+    stock = "\n".join(
+        [
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0',
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 50.0',
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0',
+        ]
+    )
+    counters = per_engine(stock)
+    assert counters == {
+        "0": {"prefix_cache_queries": 200.0, "prefix_cache_hits": 50.0, "preemptions": 4.0}
+    }
+    assert _guard_line(counters["0"]) == "hits 25.0%, 4 preemptions; no guard series"
+    guarded = stock + '\nvllm:prefix_guard_registrations_tracked_total{engine="0",model_name="m"} 9'
+    line = _guard_line(per_engine(guarded)["0"])
+    assert line.startswith("hits 25.0%, 4 preemptions; guard: 9 registrations tracked, 0 rolled")
 
 
 def _stats_document(engine: int, rolled_back: int) -> str:
