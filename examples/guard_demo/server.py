@@ -226,9 +226,9 @@ def known_vllm_shutdown_race(log_text: str) -> list[str]:
     ``EngineDeadError``, which it logs as ``AsyncLLM output_handler failed.`` with a traceback,
     although the shutdown is orderly and completes (vllm-project/vllm#48745; the fix, #49000, is
     in neither release). Whichever cancellation the event loop runs first decides; here it struck
-    every data-parallel server, guarded or stock, and now and then a DP=1 one. Only that exact
-    block, logged by an API server after its ``[shutdown] MPClient: cleaning up background
-    resources``, is recognised; any other traceback is a problem.
+    8 of 13 servers (DP=1 and DP=2; guarded, stock and the no-prefix-caching reference alike).
+    Only that exact block, logged by an API server after its ``[shutdown] MPClient: cleaning up
+    background resources``, is recognised; any other traceback is a problem.
     """
     lines = log_text.splitlines()
     return [lines[i] for i in sorted(_known_race_lines(lines))]

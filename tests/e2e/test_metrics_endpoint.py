@@ -23,7 +23,7 @@ The tests then check what was recorded:
   guard on and off;
 * each EngineCore logs one patch line per patched target, and writes its own files only;
 * every server stops cleanly: no traceback, no ``EngineDeadError``, no force-kill (vLLM's own
-  shutdown race, vllm#48745, which strikes DP servers with and without the guard, is told
+  shutdown race, vllm#48745, which strikes servers with and without the guard alike, is told
   apart: :func:`guard_demo.server.known_vllm_shutdown_race`).
 
 The guarded servers get ``TMPDIR`` (a directory of the test) so that the run directory the guard
