@@ -91,3 +91,33 @@ def test_the_registry_vllm_serves_carries_the_guard(
             for collector in list(registry._collector_to_names):
                 if isinstance(collector, metrics.GuardCollector):
                     registry.unregister(collector)
+
+
+def test_several_api_servers_serve_the_guard_on_every_metrics_route(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With several API servers (Prometheus multiprocess mode) vLLM's ``GET /metrics`` is
+    answered by prometheus-fastapi-instrumentator's endpoint, which builds a fresh registry
+    with a ``MultiProcessCollector`` for every scrape instead of using the registry vLLM
+    passed it; only ``/metrics/`` reaches the registry from ``get_prometheus_registry``. Seen
+    on a real ``vllm serve --api-server-count 2``: no guard series on ``/metrics`` at all."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_engine(run_dir, 0, registrations_tracked=7)
+    prom_dir = tmp_path / "prom"
+    prom_dir.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom_dir))
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setenv(metrics.RUN_DIR_ENV, str(run_dir))
+    plugin.register()
+    app = FastAPI()
+    attach_router(app)
+    client = TestClient(app)
+    series = 'vllm:prefix_guard_registrations_tracked_total{engine="0",model_name="m"} 7.0'
+    for route in ("/metrics", "/metrics/"):
+        text = client.get(route).text
+        assert text.count(series) == 1, (route, text[:300])

@@ -44,7 +44,13 @@ def test_on_values_apply(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     plugin.register()
     assert plugin.is_applied() and set(plugin.applied_targets()) >= PATCHED
     exported = set(plugin.applied_targets()) - PATCHED
-    assert exported and all(name.endswith(".get_prometheus_registry") for name in exported)
+    # vLLM's registry function (where defined and where imported by name) and the
+    # multiprocess collector the instrumentator's /metrics endpoint builds per scrape.
+    assert "vllm.v1.metrics.prometheus.get_prometheus_registry" in exported
+    assert "prometheus_client.multiprocess.MultiProcessCollector" in exported
+    assert all(
+        name.endswith((".get_prometheus_registry", ".MultiProcessCollector")) for name in exported
+    )
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "OFF"])

@@ -156,3 +156,48 @@ def test_the_run_directory_gets_one_file_per_engine(
     scheduler = make_scheduler(num_blocks=40)
     scheduler.shutdown()
     assert read(tmp_path / "engine-0.json")["engine"] == "0"
+
+
+def test_dense_data_parallel_engines_keep_their_rank_and_their_own_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """vLLM runs each data-parallel rank of a dense (non-MoE) model as an independent engine:
+    before its scheduler exists, the EngineCore keeps the rank in ``data_parallel_index`` and
+    rewrites ``data_parallel_rank`` to 0 and ``data_parallel_size`` to 1. Read from the rank,
+    both engines of a DP=2 server labelled themselves ``engine="0"`` and wrote the same files
+    (seen on a real ``--data-parallel-size 2`` server: one series on /metrics for two engines)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, _vllm_config, kv_cache_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
+    monkeypatch.setenv(STATS_FILE_ENV, str(tmp_path / "guard-{engine}.json"))
+    plugin.register()
+    spec = SchedulerSpec(num_blocks=40)
+    schedulers = []
+    for rank in (0, 1):
+        config = _vllm_config(spec)
+        parallel = config.parallel_config
+        parallel.data_parallel_size = 2
+        parallel.data_parallel_index = rank  # what vLLM's run_engine_core does, then:
+        parallel.reconfigure_for_independent_dp_rank()
+        assert (parallel.data_parallel_rank, parallel.data_parallel_size) == (0, 1)
+        schedulers.append(
+            Scheduler(
+                vllm_config=config,
+                kv_cache_config=kv_cache_config(spec),
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=spec.block_size,
+                log_stats=True,
+            )
+        )
+    for scheduler in schedulers:
+        scheduler.shutdown()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["engine-0.json", "engine-1.json"]
+    for rank in (0, 1):
+        assert read(run_dir / f"engine-{rank}.json")["engine"] == str(rank)
+        assert read(tmp_path / f"guard-{rank}.json")["engine"] == str(rank)

@@ -5,20 +5,22 @@
 1. generates the tiny Llama checkpoint (:mod:`guard_demo.tiny_model`);
 2. starts two ``vllm.entrypoints.openai.api_server`` processes side by side
    (:mod:`guard_demo.server`): the *guarded* server (``VLLM_PREFIX_GUARD=1``,
-   automatic prefix caching, priority scheduling, a KV cache of a few dozen blocks so that
-   preemption is routine) and a *reference* server (no prefix caching, a KV cache large enough
-   never to preempt);
+   automatic prefix caching, priority scheduling, a KV cache of a few dozen blocks per engine
+   so that preemption is routine; ``--data-parallel-size N`` gives it N EngineCores) and a
+   *reference* server (no prefix caching, a KV cache large enough never to preempt);
 3. drives a timed ``/v1/completions`` workload at the guarded server
    (:func:`~guard_demo.workload.make_workload`): waves of a long low-priority prompt
    followed by high-priority ones, shared prefixes, repeated prompts, client disconnects (which
    vLLM turns into aborts), greedy decoding with top-5 logprobs;
 4. replays every request that completed on the reference server and compares token ids and
    logprobs (:mod:`guard_demo.reference_check`);
-5. prints requests, prefix-cache hit rate and preemptions (from ``/metrics``), guard rollbacks and
-   mismatches, and exits non-zero on any mismatch.
+5. prints requests, prefix-cache hit rate and preemptions, the guard's counters per engine
+   (all from ``/metrics``), guard rollbacks and mismatches, and exits non-zero on any mismatch.
 
-Both servers are stopped, by process group, on every exit path (normal return, exception,
-Ctrl-C, SIGTERM), so no EngineCore or worker process outlives the demo.
+Both servers are stopped the way vLLM expects (SIGTERM, then vLLM's own shutdown) on every exit
+path (normal return, exception, Ctrl-C, SIGTERM), so no EngineCore or worker process outlives
+the demo; the report says whether their logs show a clean stop. ``--metrics-trace FILE`` saves
+the guarded server's ``/metrics`` sampled every second (for ``examples/grafana/plot_metrics.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ from types import FrameType
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL
-from guard_demo.metrics import MetricsSnapshot, read_guard_rollbacks
+from guard_demo.metrics import (
+    MetricsSnapshot,
+    MetricsTracer,
+    per_engine,
+    read_guard_rollbacks,
+    settled_scrape,
+)
 from guard_demo.reference_check import check_against_reference
 from guard_demo.server import (
     GUARDED_NUM_GPU_BLOCKS,
@@ -48,6 +56,8 @@ from guard_demo.server import (
     ApiServer,
     ServerExited,
     http_get_text,
+    known_vllm_shutdown_race,
+    shutdown_problems,
 )
 from guard_demo.workload import make_workload
 
@@ -68,6 +78,15 @@ class DemoReport:
     guard_rollbacks: int | None
     mismatches: dict[str, str] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    #: vLLM's and the guard's counters per engine, read from the guarded server's /metrics.
+    guard_by_engine: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Per server log: lines showing an unclean stop, and processes that had to be killed.
+    shutdown: dict[str, list[str]] = field(default_factory=dict)
+    #: Server logs with vLLM's own shutdown-race traceback (vllm#48745), not counted above.
+    vllm_shutdown_race: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    model_dir: Path | None = None
+    data_parallel_size: int = 1
 
     @property
     def ok(self) -> bool:
@@ -80,9 +99,10 @@ class DemoReport:
 
     def render(self) -> str:
         rollbacks = "n/a" if self.guard_rollbacks is None else str(self.guard_rollbacks)
+        engines = f", {self.data_parallel_size} engines" if self.data_parallel_size > 1 else ""
         lines = [
             f"vllm-prefix-guard demo (vLLM {self.vllm_version}, "
-            f"guard {'on' if self.guard else 'off'}, {self.elapsed_s:.0f}s)",
+            f"guard {'on' if self.guard else 'off'}{engines}, {self.elapsed_s:.0f}s)",
             f"  requests          {self.requests} sent, {self.completed} completed, "
             f"{self.cancelled} cancelled, {self.failed} failed",
             f"  prefix-cache hits {self.hit_rate:.1%} "
@@ -90,12 +110,57 @@ class DemoReport:
             " tokens)",
             f"  preemptions       {self.metrics.preemptions:.0f}",
             f"  guard rollbacks   {rollbacks}",
-            f"  mismatches        {len(self.mismatches)} "
-            f"(vs. no prefix caching, logprob atol {LOGPROB_ATOL:g})",
         ]
+        if self.guard_by_engine:
+            lines.append("  per engine        (from /metrics)")
+            lines += [f"    engine {e}: {_guard_line(c)}" for e, c in self.guard_by_engine.items()]
+        lines.append(
+            f"  mismatches        {len(self.mismatches)} "
+            f"(vs. no prefix caching, logprob atol {LOGPROB_ATOL:g})"
+        )
         lines += [f"    {rid}: {problem}" for rid, problem in list(self.mismatches.items())[:10]]
+        problems = {name: found for name, found in self.shutdown.items() if found}
+        if problems:
+            counts = (f"{name}: {len(found)} problem(s)" for name, found in problems.items())
+            lines.append("  shutdown          " + "; ".join(counts))
+        else:
+            lines.append(
+                "  shutdown          clean (no traceback, no force-kill in the server logs)"
+            )
+        for name, found in problems.items():
+            lines += [f"    {name}: {line[:160]}" for line in found[:3]]
+        if self.vllm_shutdown_race:
+            lines.append(
+                f"    except, in {', '.join(self.vllm_shutdown_race)}, vLLM's own shutdown race "
+                "(an EngineDeadError traceback after an orderly stop, guard or not; vllm#48745)"
+            )
+        if self.log_dir is not None:
+            lines.append(f"  server logs       {self.log_dir}")
+        if self.model_dir is not None:
+            lines.append(f"  model             {self.model_dir}")
         lines.append("  result            " + ("OK" if self.ok else "FAILED"))
         return "\n".join(lines)
+
+
+def _guard_line(counters: dict[str, float]) -> str:
+    """One engine's line: vLLM's hit rate and preemptions, then the guard's counters."""
+
+    def n(key: str) -> int:
+        return int(counters.get(key, 0))
+
+    queries = counters.get("prefix_cache_queries", 0.0)
+    hits = f"{counters.get('prefix_cache_hits', 0.0) / queries:.1%}" if queries else "n/a"
+    if "registrations_tracked" not in counters:  # stock vLLM: no guard series
+        return f"hits {hits}, {n('preemptions')} preemptions; no guard series"
+    return (
+        f"hits {hits}, {n('preemptions')} preemptions; guard: "
+        f"{n('registrations_tracked')} registrations tracked, {n('rolled_back')} rolled back\n"
+        f"              ({n('rolled_back_preempted')} preempted, "
+        f"{n('rolled_back_kv_load_failure')} KV-load failure, "
+        f"{n('rolled_back_dropped_step')} dropped step),\n"
+        f"              {n('dependents_preempted')} dependents preempted, "
+        f"{n('stale_entries_skipped')} stale records skipped"
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +173,8 @@ class DemoOptions:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     model_dir: Path | None = None
     log_dir: Path | None = None
+    data_parallel_size: int = 1
+    metrics_trace: Path | None = None
 
 
 def run_demo(options: DemoOptions) -> DemoReport:
@@ -117,7 +184,8 @@ def run_demo(options: DemoOptions) -> DemoReport:
     started = time.monotonic()
     model_dir = generate_tiny_model(options.model_dir or default_model_dir())
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="vllm-prefix-guard-demo-"))
-    stats_file = log_dir / "guard-stats.json"
+    # One file per engine; the guard puts the engine's index (data-parallel rank) there.
+    stats_file = log_dir / "guard-stats.engine{engine}.json"
     guarded = ApiServer.for_model(
         model_dir,
         log_dir / "guarded-server.log",
@@ -125,6 +193,7 @@ def run_demo(options: DemoOptions) -> DemoReport:
         stats_file=stats_file,
         prefix_caching=True,
         num_gpu_blocks=options.num_gpu_blocks,
+        data_parallel_size=options.data_parallel_size,
     )
     reference = ApiServer.for_model(
         model_dir,
@@ -133,20 +202,42 @@ def run_demo(options: DemoOptions) -> DemoReport:
         prefix_caching=False,
         num_gpu_blocks=REFERENCE_NUM_GPU_BLOCKS,
     )
-    print(f"server logs: {log_dir}", flush=True)
+    print(f"model: {model_dir}\nserver logs: {log_dir}", flush=True)
     with guarded, reference:
         # Both start at once: startup is mostly imports, which overlap well.
         guarded.wait_healthy(options.startup_timeout_s)
         reference.wait_healthy(options.startup_timeout_s)
         version = str(_get_json(f"{guarded.url}/version").get("version", "?"))
-        check = check_against_reference(
-            guarded.url,
-            reference.url,
-            make_workload(options.requests, options.seed),
-            timeout_s=options.timeout_s,
-            show_progress=True,
-        )
-        # Stopped before the counters are read: the guard's last write is at shutdown.
+        tracer = MetricsTracer(guarded.url) if options.metrics_trace is not None else None
+        with tracer or contextlib.nullcontext():
+            check = check_against_reference(
+                guarded.url,
+                reference.url,
+                make_workload(options.requests, options.seed),
+                timeout_s=options.timeout_s,
+                show_progress=True,
+            )
+        if tracer is not None and options.metrics_trace is not None:
+            trace = tracer.to_json(
+                guard=options.guard,
+                data_parallel_size=options.data_parallel_size,
+                requests=options.requests,
+                seed=options.seed,
+                num_gpu_blocks=options.num_gpu_blocks,
+                vllm_version=version,
+                result={
+                    "completed": len(check.completed),
+                    "cancelled": len(check.cancelled),
+                    "failed": len(check.failures),
+                    "mismatches": len(check.mismatches),
+                },
+            )
+            options.metrics_trace.write_text(json.dumps(trace, indent=1))
+            print(f"metrics trace: {options.metrics_trace}", flush=True)
+        guard_by_engine = per_engine(settled_scrape(guarded.url))
+        # Both stop at once; the guarded server before its final counters are read (the
+        # guard's last write is at shutdown).
+        reference.terminate()
         guarded.stop()
     for failure in check.failures[:5]:
         print(f"request {failure.item.request_id} failed: {failure.error}", file=sys.stderr)
@@ -161,6 +252,20 @@ def run_demo(options: DemoOptions) -> DemoReport:
         guard_rollbacks=read_guard_rollbacks(stats_file, guarded.log_text()),
         mismatches=check.mismatches,
         elapsed_s=time.monotonic() - started,
+        guard_by_engine=guard_by_engine,
+        shutdown={
+            server.log_path.name: shutdown_problems(server.log_text())
+            + [f"force-killed pid {pid}" for pid in server.force_killed]
+            for server in (guarded, reference)
+        },
+        vllm_shutdown_race=[
+            server.log_path.name
+            for server in (guarded, reference)
+            if known_vllm_shutdown_race(server.log_text())
+        ],
+        log_dir=log_dir,
+        model_dir=model_dir,
+        data_parallel_size=options.data_parallel_size,
     )
 
 
@@ -210,8 +315,40 @@ def _parse_args(argv: Sequence[str] | None) -> DemoOptions:
         default=DemoOptions.timeout_s,
         help="seconds allowed for each workload pass",
     )
-    parser.add_argument("--model-dir", type=Path, default=None)
-    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument(
+        "--startup-timeout",
+        dest="startup_timeout_s",
+        type=float,
+        default=DemoOptions.startup_timeout_s,
+        help="seconds each server may take to start (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=DemoOptions.data_parallel_size,
+        help="EngineCores of the guarded server (vLLM's --data-parallel-size; default: "
+        "%(default)s); each has --num-gpu-blocks blocks",
+    )
+    parser.add_argument(
+        "--metrics-trace",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help="save the guarded server's /metrics, sampled every second during the workload",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="where to generate (or find) the tiny model (default: a per-user cache directory)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where the servers' logs and the guard's stats files go (default: a new temporary "
+        "directory); printed at start and in the report",
+    )
     ns = parser.parse_args(argv)
     return DemoOptions(**vars(ns))
 

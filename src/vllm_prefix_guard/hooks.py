@@ -62,15 +62,27 @@ def attach_ledger(scheduler: Any) -> StepLedger | None:
 
 def engine_labels(scheduler: Any) -> tuple[str, int, int]:
     """``(model_name, engine index, engine count)`` as vLLM labels its own metrics; a
-    vLLM that moved these reports ``unknown``/0 rather than failing (reporting only)."""
+    vLLM that moved these reports ``unknown``/0 rather than failing (reporting only).
+
+    The engine is vLLM's ``data_parallel_index``, the DP rank its own ``engine`` label
+    carries. Not ``data_parallel_rank``: for a dense (non-MoE) model each EngineCore runs as
+    an independent rank and vLLM rewrites its ``data_parallel_rank`` to 0 and its
+    ``data_parallel_size`` to 1 before the scheduler exists
+    (``ParallelConfig.reconfigure_for_independent_dp_rank``), so every engine would claim
+    rank 0 and share one file. The count is then at least ``index + 1`` (engine 0 of such a
+    server cannot see that it has peers).
+    """
     config = getattr(scheduler, "vllm_config", None)
     model = getattr(getattr(config, "model_config", None), "served_model_name", None)
     parallel = getattr(config, "parallel_config", None)
-    engine = getattr(parallel, "data_parallel_rank", 0)
-    engines = getattr(parallel, "data_parallel_size", 1)
+    engine = getattr(parallel, "data_parallel_index", None)
+    if engine is None:  # a vLLM without the field: the rank is not rewritten there
+        engine = getattr(parallel, "data_parallel_rank", 0)
+    engine = int(engine or 0)
+    engines = max(int(getattr(parallel, "data_parallel_size", 1) or 1), engine + 1)
     if isinstance(model, (list, tuple)):
         model = model[0] if model else None
-    return (str(model) if model else "unknown"), int(engine or 0), int(engines or 1)
+    return (str(model) if model else "unknown"), engine, engines
 
 
 def make_publisher(scheduler: Any, ledger: StepLedger) -> StatsPublisher | None:

@@ -13,7 +13,11 @@ disturb vLLM's own metrics:
 - in the API server, :class:`GuardCollector` reads those files when ``/metrics`` is
   scraped. It is added to whichever registry vLLM serves (its own default registry, or
   the multiprocess one vLLM builds with several API servers) by wrapping vLLM's
-  ``get_prometheus_registry``; vLLM's own metrics are untouched.
+  ``get_prometheus_registry``; vLLM's own metrics are untouched. With several API servers
+  (Prometheus multiprocess mode), ``GET /metrics`` is answered by
+  prometheus-fastapi-instrumentator's endpoint, which ignores that registry and builds a
+  new one around a ``MultiProcessCollector`` for every scrape: the guard's collector joins
+  every registry a ``MultiProcessCollector`` is built for, too.
 
 Names follow vLLM's (``vllm:`` prefix, counters exported with ``_total``) and so do the
 labels (``model_name``, ``engine``). A scrape never raises: an unreadable file is
@@ -40,6 +44,8 @@ from vllm_prefix_guard.patching import PatchRegistry
 RUN_DIR_ENV = "VLLM_PREFIX_GUARD_RUN_DIR"
 PROMETHEUS_MODULE = "vllm.v1.metrics.prometheus"
 REGISTRY_FUNCTION = "get_prometheus_registry"
+MULTIPROCESS_MODULE = "prometheus_client.multiprocess"
+MULTIPROCESS_COLLECTOR = "MultiProcessCollector"
 
 #: (metric name, type, help, counter key or (label value -> counter key) for ``cause``)
 COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -179,6 +185,20 @@ def wrap_get_prometheus_registry(original: Callable[[], Any]) -> Callable[[], An
     return get_prometheus_registry
 
 
+def wrap_multiprocess_collector(original: type) -> type:
+    """``MultiProcessCollector`` whose registry also gets the guard's collector."""
+
+    class MultiProcessCollector(original):
+        def __init__(self, registry: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(registry, *args, **kwargs)
+            if registry is not None:
+                add_collector(registry)
+
+    for attribute in ("__name__", "__qualname__", "__module__", "__doc__"):
+        setattr(MultiProcessCollector, attribute, getattr(original, attribute))
+    return MultiProcessCollector
+
+
 def install(registry: PatchRegistry) -> list[str]:
     """Serve the guard's series on ``/metrics``: wrap vLLM's registry function where it is
     defined and in every module that already imported it by name.
@@ -210,4 +230,19 @@ def install(registry: PatchRegistry) -> list[str]:
     for holder in holders:
         registry.apply(holder, REGISTRY_FUNCTION, wrap_get_prometheus_registry)
         patched.append(f"{holder.__name__}.{REGISTRY_FUNCTION}")
+    # Callers build it through the module (``multiprocess.MultiProcessCollector(...)``:
+    # vLLM's get_prometheus_registry, the instrumentator's /metrics endpoint).
+    multiprocess = sys.modules.get(MULTIPROCESS_MODULE)
+    if multiprocess is None:
+        try:
+            import importlib
+
+            multiprocess = importlib.import_module(MULTIPROCESS_MODULE)
+        except ImportError:
+            multiprocess = None
+    if multiprocess is not None and isinstance(
+        vars(multiprocess).get(MULTIPROCESS_COLLECTOR), type
+    ):
+        registry.apply(multiprocess, MULTIPROCESS_COLLECTOR, wrap_multiprocess_collector)
+        patched.append(f"{MULTIPROCESS_MODULE}.{MULTIPROCESS_COLLECTOR}")
     return patched

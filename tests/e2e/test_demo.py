@@ -11,12 +11,18 @@ from pathlib import Path
 import pytest
 
 from guard_demo.processes import live_pids
+from guard_demo.server import shutdown_problems
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+# Kept after it: a checkout's src/ put there (to run a worktree's guard) must reach the demo.
+PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
 
 def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
-    """The demo reports every figure, finds no mismatch, and leaves no server process behind."""
+    """The demo reports every figure, finds no mismatch, stops its servers cleanly, says where
+    its logs and model are, and leaves no server process behind."""
     result = subprocess.run(
         [
             sys.executable,
@@ -29,7 +35,7 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
             "--log-dir",
             str(tmp_path),
         ],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "examples")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([EXAMPLES, *PYTHONPATH])},
         capture_output=True,
         text=True,
         timeout=600,
@@ -41,5 +47,15 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
     assert re.search(r"preemptions\s+\d+", report), report
     assert re.search(r"guard rollbacks\s+\d+", report), report  # a number, not "n/a"
     assert re.search(r"mismatches\s+0 ", report), report
-    assert (tmp_path / "guard-stats.json").exists()
+    assert re.search(r"per engine .*\n\s+engine 0: hits \d+\.\d%", report), report
+    assert (tmp_path / "guard-stats.engine0.json").exists()
     assert live_pids(cmdline_contains=str(tiny_model)) == []
+    # It says where its logs and its model are, at start and in the report.
+    assert f"model: {tiny_model}\nserver logs: {tmp_path}\n" in report
+    assert re.search(rf"server logs\s+{re.escape(str(tmp_path))}\n", report), report
+    assert re.search(rf"model\s+{re.escape(str(tiny_model))}\n", report), report
+    # Both servers stopped the way vLLM expects: no traceback, no force-kill in their logs.
+    assert "shutdown          clean" in report, report
+    assert "force-killing" not in result.stderr
+    for log in ("guarded-server.log", "reference-server.log"):
+        assert shutdown_problems((tmp_path / log).read_text()) == [], log

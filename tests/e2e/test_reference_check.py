@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,19 @@ from guard_demo.compare import (
     compare_completions,
     find_mismatches,
 )
-from guard_demo.metrics import MetricsSnapshot, read_guard_rollbacks
+from guard_demo.metrics import (
+    MetricsSnapshot,
+    guard_counters_by_engine,
+    per_engine,
+    read_guard_rollbacks,
+)
 from guard_demo.processes import live_pids
-from guard_demo.server import GUARD_STATS_FILE_ENV, ApiServer
+from guard_demo.server import (
+    GUARD_STATS_FILE_ENV,
+    ApiServer,
+    known_vllm_shutdown_race,
+    shutdown_problems,
+)
 from guard_demo.tiny_model import generate_tiny_model, weights_digest
 from guard_demo.workload import make_workload
 
@@ -84,7 +95,7 @@ def test_metrics_parsing_sums_label_sets() -> None:
         [
             "# HELP vllm:prefix_cache_hits_total Prefix cache hits",
             'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0',
-            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 2.0',
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 2',
             'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09',
             'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 64.0',
             'vllm:num_preemptions_total{engine="0",model_name="m"} 5.0',
@@ -93,10 +104,66 @@ def test_metrics_parsing_sums_label_sets() -> None:
     assert MetricsSnapshot.parse(text) == MetricsSnapshot(64.0, 32.0, 5.0)
 
 
+def test_per_engine_counters_of_stock_and_guarded_servers() -> None:
+    from guard_demo.__main__ import _guard_line
+
+    stock = "\n".join(
+        [
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0',
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 50.0',
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0',
+        ]
+    )
+    counters = per_engine(stock)
+    assert counters == {
+        "0": {"prefix_cache_queries": 200.0, "prefix_cache_hits": 50.0, "preemptions": 4.0}
+    }
+    assert _guard_line(counters["0"]) == "hits 25.0%, 4 preemptions; no guard series"
+    guarded = stock + '\nvllm:prefix_guard_registrations_tracked_total{engine="0",model_name="m"} 9'
+    line = _guard_line(per_engine(guarded)["0"])
+    assert line.startswith("hits 25.0%, 4 preemptions; guard: 9 registrations tracked, 0 rolled")
+
+
+def _stats_document(engine: int, rolled_back: int) -> str:
+    # What the guard's StatsPublisher writes (vllm_prefix_guard.stats).
+    counters = {"rolled_back": rolled_back, "rolled_back_preempted": rolled_back}
+    return json.dumps({"model_name": "m", "engine": str(engine), "counters": counters})
+
+
+def test_guard_series_by_engine() -> None:
+    text = "\n".join(
+        [
+            "# TYPE vllm:prefix_guard_registrations_tracked counter",
+            'vllm:prefix_guard_registrations_tracked_total{engine="0",model_name="m"} 7.0',
+            'vllm:prefix_guard_registrations_tracked_total{engine="1",model_name="m"} 5.0',
+            "# TYPE vllm:prefix_guard_rollbacks counter",
+            'vllm:prefix_guard_rollbacks_total{cause="preempted",engine="0",model_name="m"} 2',
+            'vllm:prefix_guard_rollbacks_total{cause="kv_load_failure",engine="1"} 3',
+            "# TYPE vllm:prefix_guard_uncommitted_entries gauge",
+            'vllm:prefix_guard_uncommitted_entries{engine="0",model_name="m"} 1.0',
+            "# TYPE vllm:num_preemptions counter",
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 5.0',
+        ]
+    )
+    by_engine = guard_counters_by_engine(text)
+    assert list(by_engine) == ["0", "1"]
+    assert by_engine["0"] == {
+        "registrations_tracked": 7.0,
+        "rolled_back_preempted": 2.0,
+        "uncommitted_entries": 1.0,
+        "rolled_back": 2.0,
+    }
+    assert by_engine["1"]["rolled_back_kv_load_failure"] == 3.0
+    assert by_engine["1"]["rolled_back"] == 3.0
+
+
 def test_guard_rollbacks_from_stats_file_or_log(tmp_path: Path) -> None:
     stats = tmp_path / "stats.json"
-    stats.write_text(json.dumps({"rolled_back": 3, "rolled_back_preempted": 3}))
+    stats.write_text(_stats_document(0, 3))
     assert read_guard_rollbacks(stats) == 3
+    for engine, rolled_back in ((0, 3), (1, 4)):
+        (tmp_path / f"per-engine.{engine}.json").write_text(_stats_document(engine, rolled_back))
+    assert read_guard_rollbacks(tmp_path / "per-engine.{engine}.json") == 7
     line = (
         "(EngineCore pid=1) INFO [hooks.py:290] vllm-prefix-guard counters: "
         "rolled_back_preempted=2 rolled_back_kv_load_failure=0 rolled_back=2"
@@ -109,12 +176,89 @@ def test_server_start_removes_a_stale_stats_file(tmp_path: Path) -> None:
     """The guard rewrites its stats file while it runs: one from an earlier server must not
     pass for this server's counters."""
     stats = tmp_path / "guard-stats.json"
-    stats.write_text(json.dumps({"rolled_back": 7}))
+    stats.write_text(_stats_document(0, 7))
     args = [sys.executable, "-c", "pass"]
     server = ApiServer(args, {GUARD_STATS_FILE_ENV: str(stats)}, tmp_path / "server.log", port=0)
     with server:
         assert server.wait_exit(timeout_s=30) == 0
     assert read_guard_rollbacks(stats) is None
+
+
+def _stopped(tmp_path: Path, script: str) -> ApiServer:
+    server = ApiServer([sys.executable, "-c", script], {}, tmp_path / "server.log", port=0)
+    server.start()
+    time.sleep(1.5)  # the script has set its signal handlers
+    server._healthy = True  # as after wait_healthy(): the full grace period applies
+    server.stop(grace_s=4)
+    return server
+
+
+def test_stop_waits_for_a_clean_exit_and_kills_nothing(tmp_path: Path) -> None:
+    server = _stopped(
+        tmp_path,
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0)))\n"
+        "time.sleep(60)",
+    )
+    assert server.returncode == 0 and server.force_killed == []
+
+
+def test_stop_kills_only_what_outlives_the_grace_period_and_says_so(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The leader exits on SIGTERM; its child (same process group) ignores it.
+    server = _stopped(
+        tmp_path,
+        "import signal, subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "time.sleep(60)",
+    )
+    assert len(server.force_killed) == 1 and server.returncode == 0
+    assert all(pid not in live_pids() for pid in server.force_killed)
+    assert "force-killing 1 process(es)" in capfd.readouterr().err
+
+
+def test_shutdown_problems_in_a_log() -> None:
+    log = "\n".join(
+        [
+            "(APIServer pid=1) INFO [launcher.py:254] [shutdown] API server: shutdown triggered",
+            "(APIServer pid=1) ERROR [async_llm.py:906] Traceback (most recent call last):",
+            "(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError",
+            "(APIServer pid=1) WARNING [utils.py:653] [shutdown] Process manager: force killing "
+            "remaining process EngineCore pid 2",
+            "(EngineCore pid=2) WARNING [multiproc_executor.py:491] [shutdown] Executor: workers "
+            "still running after grace period; sending SIGTERM count=1",
+            "(APIServer pid=1) INFO [core_client.py:777] [shutdown] MPClient: complete",
+        ]
+    )
+    assert len(shutdown_problems(log)) == 4
+
+
+_RACE = [
+    "(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906] AsyncLLM output_handler failed.",
+    "(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906] Traceback (most recent call last):",
+    '(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906]   File "async_llm.py", line 849',
+    "(APIServer pid=1) ERROR 12-01 05:25:48 [async_llm.py:906] vllm.v1.engine.exceptions."
+    "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+]
+_CLEANUP = (
+    "(APIServer pid=1) INFO 12-01 05:25:48 [core_client.py:775] [shutdown] MPClient: cleaning up "
+    "background resources"
+)
+
+
+def test_vllm_shutdown_race_is_told_apart_from_real_tracebacks() -> None:
+    """vLLM's own shutdown race (vllm#48745) logs an EngineDeadError traceback after the engine
+    client's cleanup began: recognised, and only there."""
+    after_cleanup = "\n".join([_CLEANUP, *_RACE, "INFO:     Shutting down"])
+    assert shutdown_problems(after_cleanup) == []
+    assert known_vllm_shutdown_race(after_cleanup) == _RACE
+    mid_run = "\n".join([*_RACE, _CLEANUP])  # the engine died while serving
+    assert len(shutdown_problems(mid_run)) == 2 and known_vllm_shutdown_race(mid_run) == []
+    other_process = "\n".join([_CLEANUP.replace("pid=1", "pid=2"), *_RACE])
+    assert len(shutdown_problems(other_process)) == 2
 
 
 def test_live_pids_filter_by_command_line_and_group(tmp_path: Path) -> None:
