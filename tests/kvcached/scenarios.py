@@ -69,11 +69,13 @@ class Audit:
 
         record = StepBucket.record
 
-        def recording(bucket: Any, request_id: str | None, key: Any, block: Any) -> None:
+        def recording(
+            bucket: Any, request_id: str | None, key: Any, block: Any, *rest: Any
+        ) -> None:
             audit = Audit.current
             if audit is not None:
                 audit.recorded.append((key, block.block_id))
-            record(bucket, request_id, key, block)
+            record(bucket, request_id, key, block, *rest)
 
         StepBucket.record = recording  # type: ignore[method-assign]
 
