@@ -141,6 +141,33 @@ def test_partial_key_rolls_back_alone() -> None:
     assert block.block_id not in pool.cached_block_hashes_by_block
 
 
+def test_a_committed_partial_entry_is_not_lost_to_a_rolled_back_full_key() -> None:
+    """Can rolling back a block's primary key take a *committed* partial key with it?
+    No: an uncommitted full key never sits beside a committed partial one. When the full
+    key is registered on a block that carries a partial key, vLLM itself removes the
+    partial key first (``cache_full_blocks``' partial->full promotion), whether the guard
+    runs or not; a partial key added after a full key is rolled back alone (above)."""
+    pool, ledger = guarded_pool()
+    request = make_request("r", list(range(1, 33)))
+    (block,) = pool.get_new_blocks(1)
+    ledger.begin_step()
+    partial = pool.cache_partial_block(request, block, 16, 0, 32)
+    assert partial is not None and block.block_hash is partial  # a partial primary
+    ledger.dispatch_step(written := object())
+    ledger.commit_step(written)
+    assert ledger.is_idle
+    ledger.begin_step()
+    pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
+    full = block.block_hash
+    assert full is not None and full != partial
+    # vLLM's promotion dropped the committed partial entry before the guard did anything.
+    assert not pool.cached_block_hash_to_block.contain(partial, block.block_id)
+    ledger.rollback_preempted("r")
+    assert block.block_hash is None
+    assert block.block_id not in pool.cached_block_hashes_by_block
+    assert ledger.stats.rolled_back_preempted == 1
+
+
 def test_graft_is_idempotent_and_preserves_identity(guard: None) -> None:
     scheduler = make_scheduler()
     pool = scheduler.kv_cache_manager.block_pool
