@@ -121,3 +121,14 @@ def test_several_api_servers_serve_the_guard_on_every_metrics_route(
     for route in ("/metrics", "/metrics/"):
         text = client.get(route).text
         assert text.count(series) == 1, (route, text[:300])
+
+
+def test_a_server_started_from_a_guarded_process_makes_its_own_run_dir() -> None:
+    """A process that loaded the guard exports its run directory; a server it starts
+    (the e2e harness after an in-process engine test) must not inherit it, or two
+    servers would serve each other's counters."""
+    from guard_demo.server import server_env
+
+    env = server_env("1", base={metrics.RUN_DIR_ENV: "/nonexistent", "PATH": "/usr/bin"})
+    assert metrics.RUN_DIR_ENV not in env
+    assert env["VLLM_PREFIX_GUARD"] == "1"

@@ -56,6 +56,11 @@ REFERENCE_NUM_GPU_BLOCKS = 16 * 16 + 1
 STARTUP_TIMEOUT_S = 600.0
 #: Where the guard writes its counters (``vllm_prefix_guard.hooks``).
 GUARD_STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
+#: The run directory the guard shares between one server's processes
+#: (``vllm_prefix_guard.metrics.RUN_DIR_ENV``). A process that loaded the guard itself (an
+#: in-process engine test) exports its own; a server started from it must make a new one,
+#: or two servers would serve each other's counters.
+GUARD_RUN_DIR_ENV = "VLLM_PREFIX_GUARD_RUN_DIR"
 SERVED_MODEL_NAME = "tiny-llama"
 #: vLLM's ``--shutdown-timeout``: how long the API server lets its EngineCores finish (and drain
 #: requests in flight) before it kills them. Longer than :data:`WORKER_SHUTDOWN_TIMEOUT_S`, which
@@ -181,6 +186,7 @@ def server_env(
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.pop("VLLM_PREFIX_GUARD", None)
     env.pop(GUARD_STATS_FILE_ENV, None)
+    env.pop(GUARD_RUN_DIR_ENV, None)
     if guard is not None:
         env["VLLM_PREFIX_GUARD"] = guard
     if stats_file is not None:
