@@ -61,3 +61,22 @@ def test_version_and_plain_help(capsys: pytest.CaptureFixture[str]) -> None:
     help_text = capsys.readouterr().out
     assert "``" not in help_text and ":mod:" not in help_text
     assert "Exit status:" in help_text and "doctor" in help_text and "fuzz" in help_text
+
+
+def test_doctor_reports_which_upstream_fix_it_found(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    _, checks = doctor_json(capsys)
+    assert checks["upstream fix"]["detail"] == "none in this vLLM: the guard patches it"
+    monkeypatch.setattr(KVCacheManager, "rollback_uncommitted", lambda s, r: 0, raising=False)
+    status, checks = doctor_json(capsys)
+    assert status == 1
+    assert checks["upstream fix"]["status"] == "FAIL"
+    assert "no KVCacheManager.begin_step" in checks["upstream fix"]["detail"]
+    for name in ("begin_step", "commit_step"):
+        monkeypatch.setattr(KVCacheManager, name, lambda s: None, raising=False)
+    status, checks = doctor_json(capsys)
+    assert checks["upstream fix"]["status"] == "info"
+    assert checks["upstream fix"]["detail"].endswith("the guard stays out")

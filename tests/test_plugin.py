@@ -158,13 +158,69 @@ def test_changed_signature_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
 
 
+def _native_fix(monkeypatch: pytest.MonkeyPatch, **methods: Any) -> None:
+    """Give vLLM's KV cache manager the named methods (upstream PR #43569's API)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    for name, method in methods.items():
+        monkeypatch.setattr(KVCacheManager, name, method, raising=False)
+
+
+NATIVE_FIX = {
+    "begin_step": lambda self: None,
+    "commit_step": lambda self: None,
+    "rollback_uncommitted": lambda self, req_id: None,
+}
+
+
 def test_upstream_fix_present_skips_the_guard(
     monkeypatch: pytest.MonkeyPatch, guard_log: list[str]
 ) -> None:
-    monkeypatch.setattr(BlockPool, "rollback_uncommitted", lambda self, req_id: 0, raising=False)
+    _native_fix(monkeypatch, **NATIVE_FIX)
     assert plugin.apply() == []
     assert not plugin.is_applied()
-    assert any("already ships" in line for line in guard_log)
+    assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
+    assert any("already ships its own fix" in line for line in guard_log)
+    assert "KVCacheManager.rollback_uncommitted" in targets.upstream_fix()  # type: ignore[operator]
+
+
+HALF_SIMILAR = {
+    "rollback only": {"rollback_uncommitted": NATIVE_FIX["rollback_uncommitted"]},
+    "other parameters": {
+        **NATIVE_FIX,
+        "rollback_uncommitted": lambda self, req_id, num_tokens: None,
+    },
+    "not a method": {**NATIVE_FIX, "commit_step": None},
+}
+
+
+@pytest.mark.parametrize("methods", HALF_SIMILAR.values(), ids=HALF_SIMILAR.keys())
+def test_half_similar_upstream_change_is_not_mistaken_for_the_fix(
+    monkeypatch: pytest.MonkeyPatch, methods: dict[str, Any]
+) -> None:
+    """A vLLM with part of the native fix's API, or its names in another shape: the guard
+    neither steps aside (nothing would fix the bug) nor patches beside it (two mechanisms
+    over one index); it refuses to start, naming what it found."""
+    _native_fix(monkeypatch, **methods)
+    assert targets.upstream_fix() is None
+    assert targets.native_fix().partial
+    with pytest.raises(GuardUnsupportedError, match=r"rollback_uncommitted.*VLLM_PREFIX_GUARD=0"):
+        plugin.apply()
+    assert not plugin.is_applied()
+    assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
+
+
+def test_a_fix_on_the_pool_alone_is_half_similar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PR's first revision kept ``rollback_uncommitted`` on the pool."""
+    monkeypatch.setattr(BlockPool, "rollback_uncommitted", lambda self, req_id: 0, raising=False)
+    assert targets.native_fix().partial
+    with pytest.raises(GuardUnsupportedError, match=r"BlockPool\.rollback_uncommitted"):
+        plugin.apply()
+
+
+def test_stock_vllm_has_none_of_the_native_fix() -> None:
+    fix = targets.native_fix()
+    assert fix.present == () and not fix.partial and not fix.complete
 
 
 def test_undo_restores_stock_vllm() -> None:

@@ -63,16 +63,18 @@ def run_checks(self_test: bool) -> list[Check]:
         )
     )
     checks += _activation_checks()
-    upstream = targets.upstream_fix()
-    checks.append(
-        Check(
+    native = targets.native_fix()
+    if native.complete:
+        upstream = Check("upstream fix", INFO, f"{native.describe()}: the guard stays out")
+    elif native.partial:
+        upstream = Check(
             "upstream fix",
-            INFO,
-            "none in this vLLM: the guard patches it"
-            if upstream is None
-            else f"{upstream} present: the guard stays out",
+            FAIL,
+            f"partly there ({native.describe()}): the guard refuses to start beside it",
         )
-    )
+    else:
+        upstream = Check("upstream fix", INFO, "none in this vLLM: the guard patches it")
+    checks.append(upstream)
     checks.append(Check("kvcached", INFO, kvcached_support.status().describe()))
     for what, run in targets.all_checks():
         try:

@@ -83,16 +83,23 @@ def apply() -> list[str]:
         if _skipped_for_upstream is not None:
             return []
         version = targets.vllm_version()
-        upstream = targets.upstream_fix()
-        if upstream is not None:
-            _skipped_for_upstream = upstream
+        native = targets.native_fix()
+        if native.complete:
+            _skipped_for_upstream = native.describe()
             logger().info(
-                "vllm-prefix-guard %s: vLLM %s already ships %s; the guard is not applied.",
+                "vllm-prefix-guard %s: vLLM %s already ships its own fix (%s); the guard is "
+                "not applied.",
                 __version__,
                 version,
-                upstream,
+                _skipped_for_upstream,
             )
             return []
+        if native.partial:
+            raise targets.unsupported(
+                f"vLLM's own prefix-cache rollback ({', '.join(native.present)})",
+                f"is not in the shape the guard recognises ({native.describe()}), so the "
+                "guard will neither step aside for it nor run beside it",
+            )
         targets.check_all()
         registry = PatchRegistry()
         try:

@@ -205,10 +205,97 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
 INTERNALS: tuple[Internal, ...] = SCHEDULER_HOOKS + POOL_INTERNALS + RARE_PATH_INTERNALS
 
 #: Names whose presence means vLLM ships its own commit fence (upstream PR #43569).
-UPSTREAM_FIX_MARKERS = (
-    (BLOCK_POOL, "BlockPool", "rollback_uncommitted"),
-    (MANAGER, "KVCacheManager", "rollback_uncommitted"),
+#: vLLM's own fix for eager registration, in the shape upstream PR #43569 gives it: the
+#: scheduler opens a step (``begin_step``) and commits the oldest one (``commit_step``) on the
+#: KV cache manager, and rolls back one request's uncommitted registrations
+#: (``rollback_uncommitted(req_id)``) when it preempts it. ``(owner, method, parameters
+#: besides self)``. The guard steps aside only when all of it is there in this shape.
+NATIVE_FIX = (
+    ("KVCacheManager", "begin_step", 0),
+    ("KVCacheManager", "commit_step", 0),
+    ("KVCacheManager", "rollback_uncommitted", 1),
 )
+#: Where a name of the native fix may appear (the PR's first revision had the rollback on
+#: the pool): any of them present makes an incomplete shape a refusal, not a silent skip.
+NATIVE_FIX_MODULES = {"KVCacheManager": MANAGER, "BlockPool": BLOCK_POOL}
+NATIVE_FIX_MARKERS = (
+    *((owner, name) for owner, name, _ in NATIVE_FIX),
+    ("BlockPool", "begin_step"),
+    ("BlockPool", "commit_step"),
+    ("BlockPool", "rollback_uncommitted"),
+)
+
+
+@dataclass(frozen=True)
+class NativeFix:
+    """What the installed vLLM has of its own fix (:data:`NATIVE_FIX`)."""
+
+    #: Qualified names of the native fix's methods that are present, in any shape.
+    present: tuple[str, ...]
+    #: Why the shape is not the native fix's: a method missing, or taking other parameters.
+    problems: tuple[str, ...]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.present) and not self.problems
+
+    @property
+    def partial(self) -> bool:
+        """Some of it is there, not all, or not in the expected shape: a half-similar
+        change, which the guard must neither mistake for the fix nor run beside."""
+        return bool(self.present) and bool(self.problems)
+
+    def describe(self) -> str:
+        if self.complete:
+            return ", ".join(self.present)
+        return "; ".join(self.problems)
+
+
+def _positional_parameters(fn: Any) -> int | None:
+    """Parameters ``fn`` takes besides ``self`` that a caller may pass positionally, or
+    None when it takes more required ones than that or hides its signature."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(
+        p.default is inspect.Parameter.empty and p.kind is inspect.Parameter.KEYWORD_ONLY
+        for p in parameters
+    ):
+        return None
+    return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in parameters)
+
+
+def native_fix() -> NativeFix:
+    """Check the installed vLLM for its own fix, by the shape of :data:`NATIVE_FIX`."""
+    present: list[str] = []
+    for owner, name in NATIVE_FIX_MARKERS:
+        try:
+            cls = resolve(NATIVE_FIX_MODULES[owner], owner)
+        except (ImportError, AttributeError):
+            continue
+        if inspect.getattr_static(cls, name, None) is not None:
+            present.append(f"{owner}.{name}")
+    problems = []
+    for owner, name, arity in NATIVE_FIX:
+        qualname = f"{owner}.{name}"
+        if qualname not in present:
+            problems.append(f"no {qualname}")
+            continue
+        fn = inspect.getattr_static(resolve(NATIVE_FIX_MODULES[owner], owner), name)
+        taken = _positional_parameters(fn) if callable(fn) else None
+        if taken != arity:
+            problems.append(
+                f"{qualname} is not a method taking {arity} argument{'s' * (arity != 1)}"
+            )
+    return NativeFix(tuple(present), tuple(problems))
+
+
+def upstream_fix() -> str | None:
+    """The installed vLLM's own fix, described, if it has all of it (:func:`native_fix`)."""
+    fix = native_fix()
+    return fix.describe() if fix.complete else None
 
 
 def vllm_version() -> str:
@@ -359,14 +446,3 @@ def check_all() -> None:
     """Run every check; raise on the first failure, before anything is patched."""
     for _, run in all_checks():
         run()
-
-
-def upstream_fix() -> str | None:
-    """The name of vLLM's own fix for eager registration, if the installed vLLM has one."""
-    for module, owner, name in UPSTREAM_FIX_MARKERS:
-        try:
-            if hasattr(resolve(module, owner), name):
-                return f"{module}.{owner}.{name}"
-        except (ImportError, AttributeError):
-            continue
-    return None
