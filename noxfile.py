@@ -251,8 +251,8 @@ def bench_scheduler(session: nox.Session) -> None:
             session,
             venv,
             "python",
-            "benchmarks/scheduler_bench.py",
-            "--instructions",
+            "benchmarks/instructions.py",
+            "measure",
             "--out",
             "benchmarks/results/instructions.json",
         )

@@ -1,10 +1,18 @@
 """Turn the benchmark JSON into the markdown tables the README shows, and check the targets.
 
 Reads what ``scheduler_bench.py`` and ``engine_bench.py`` wrote (and, if present, the
-``scheduler_bench.py --instructions`` counts), writes ``benchmarks/results/latest.md``,
+``instructions.py`` counts), writes ``benchmarks/results/latest.md``,
 prints it, and optionally replaces the block between ``<!-- bench:begin -->`` and
 ``<!-- bench:end -->`` in a README. Targets are those of the performance issue; with
 ``--check`` a missed target makes the exit status 1.
+
+A before/after comparison is added when ``results/compare/before`` and
+``results/compare/after`` hold documents of the same benchmarks (``scheduler.json``,
+``instructions.json``), e.g. the same commands run on two commits: per cell and column,
+instructions per step and the step-time ratios to stock, before and after, and whether
+every counter of the run (hits, preemptions, trajectory, ledger, ...) is identical.
+``results/compare/labels.json`` may name the two sides (``{"before": ..., "after": ...}``)
+and add a ``"note"`` printed under the tables.
 
 Usage::
 
@@ -84,12 +92,20 @@ def scheduler_tables(doc: dict[str, Any]) -> list[str]:
                 f" {cpu['median']:.3f} |"
             )
         lines.append(row)
+    # Documents of the harness-based benchmark count bad KV reads beside zombie hits.
+    shadow = any("bad_kv_reads" in col for c in doc["cells"] for col in c["columns"].values())
+    checked = (
+        "hit tokens whose KV slot does not hold the content the request expects (checked "
+        "by the shadow-KV worker)"
+        if shadow
+        else "hits on blocks that do not hold the content their hash names (checked by the "
+        "fake worker)"
+    )
     lines += [
         "",
         "Cache efficiency and ledger memory over the whole run (warm-up, measured window, "
         "drain). Ratios to stock as hits / preemptions / computed tokens (all scheduled "
-        "tokens: recomputation shows here). Zombie hit tokens: hits on blocks that do not "
-        "hold the content their hash names (checked by the fake worker). Ledger peak is "
+        f"tokens: recomputation shows here). Zombie hit tokens: {checked}. Ledger peak is "
         "bounded by steps in flight x the most registrations one step made.",
         "",
         "| cell | stock hit tokens | stock preemptions | "
@@ -165,6 +181,120 @@ def instruction_table(doc: dict[str, Any]) -> list[str]:
             )
             + " |"
         )
+    return lines
+
+
+#: Counters of a scheduler run that do not depend on the clock: equal before and after
+#: means both runs did the same work (``ledger`` ones for the guarded columns).
+RUN_COUNTERS = (
+    "hit_tokens",
+    "query_tokens",
+    "preemptions",
+    "scheduled_tokens",
+    "zombie_hit_tokens",
+    "requests_admitted",
+    "iterations",
+    "drain_iterations",
+    "trajectory",
+    "mean_running",
+)
+LEDGER_COUNTERS = (
+    "peak_uncommitted_entries",
+    "peak_bound",
+    "rolled_back",
+    "uncommitted_entries",
+    "registrations_tracked",
+    "max_registrations_per_step",
+    "idle_after_drain",
+)
+
+
+def _same_counters(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]:
+    """``(identical, compared)`` over :data:`RUN_COUNTERS` and :data:`LEDGER_COUNTERS`."""
+    pairs = [(before.get(k), after.get(k)) for k in RUN_COUNTERS]
+    if "ledger" in before or "ledger" in after:
+        old, new = before.get("ledger") or {}, after.get("ledger") or {}
+        pairs += [(old.get(k), new.get(k)) for k in LEDGER_COUNTERS]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+def comparison_tables(compare: Path) -> list[str]:
+    """Before/after tables from ``compare/before`` and ``compare/after`` (empty if absent)."""
+    labels = _load(compare / "labels.json") or {}
+    before_label = labels.get("before", "before")
+    after_label = labels.get("after", "after")
+    lines: list[str] = []
+    old, new = _load(compare / "before" / "instructions.json"), None
+    if old is not None:
+        new = _load(compare / "after" / "instructions.json")
+    if old is not None and new is not None:
+        lines += [
+            f"Before/after, instructions per step (callgrind, deterministic). Before: "
+            f"{before_label}. After: {after_label}.",
+            "",
+            "| cell | column | before | after | after/before | column/stock before -> after "
+            "| same trajectory |",
+            "|---|---|---:|---:|---:|---|---|",
+        ]
+        after_cells = {c["cell"]: c for c in new["cells"]}
+        for cell in old["cells"]:
+            other = after_cells.get(cell["cell"])
+            if other is None:
+                continue
+            for c in old["columns"]:
+                if c not in other:
+                    continue
+                a, b = cell[c], other[c]
+                lines.append(
+                    f"| {cell['cell']} | {c} | {a['instructions_per_step'] / 1e6:.3f}M |"
+                    f" {b['instructions_per_step'] / 1e6:.3f}M |"
+                    f" {b['instructions_per_step'] / a['instructions_per_step']:.4f} |"
+                    f" {a['ratio']:.4f} -> {b['ratio']:.4f} |"
+                    f" {'yes' if a['trajectory'] == b['trajectory'] else '**no**'} |"
+                )
+        lines.append("")
+    old = _load(compare / "before" / "scheduler.json")
+    new = _load(compare / "after" / "scheduler.json") if old is not None else None
+    if old is not None and new is not None:
+        env_old, env_new = old["environment"], new["environment"]
+        lines += [
+            f"Before/after, step-time ratios to stock (median over segment pairs). Before: "
+            f"{before_label} (load average {env_old.get('load_average', 0):.1f}). After: "
+            f"{after_label} (load average {env_new.get('load_average', 0):.1f}). CPU = thread "
+            "CPU time, the figure to compare; wall clock was measured under foreign load "
+            "and is shown as measured. Counters: hits, preemptions, scheduled tokens, zombie "
+            "hits, iterations, trajectory digest and the ledger's, identical / compared.",
+            "",
+            "| cell | column | CPU ratio before -> after | wall ratio before -> after "
+            "| stock CPU us before -> after | counters identical |",
+            "|---|---|---|---|---|---:|",
+        ]
+        after_cells = {c["cell"]: c for c in new["cells"]}
+        for cell in old["cells"]:
+            other = after_cells.get(cell["cell"])
+            if other is None:
+                continue
+            stock_a, stock_b = cell["columns"]["stock"], other["columns"]["stock"]
+            for c, a in cell["columns"].items():
+                b = other["columns"].get(c)
+                if b is None:
+                    continue
+                same, compared = _same_counters(a, b)
+                if c == "stock":
+                    ratios = "| | |"
+                else:
+                    ratios = (
+                        f"| {a['cpu_step_ratio']['median']:.3f} ->"
+                        f" {b['cpu_step_ratio']['median']:.3f} |"
+                        f" {a['step_ratio']['median']:.3f} -> {b['step_ratio']['median']:.3f} |"
+                    )
+                stock_cpu = (
+                    f"{_us(stock_a['median_step_cpu_us'])} -> {_us(stock_b['median_step_cpu_us'])}"
+                )
+                lines.append(f"| {cell['cell']} | {c} {ratios} {stock_cpu} | {same}/{compared} |")
+        lines.append("")
+    if lines and labels.get("note"):
+        lines += [labels["note"], ""]
     return lines
 
 
@@ -267,7 +397,7 @@ def targets(
     return found
 
 
-def render(results: Path) -> tuple[str, list[Target]]:
+def render(results: Path, compare: Path | None = None) -> tuple[str, list[Target]]:
     scheduler = _load(results / "scheduler.json")
     engine = _load(results / "engine.json")
     instructions = _load(results / "instructions.json")
@@ -283,6 +413,7 @@ def render(results: Path) -> tuple[str, list[Target]]:
         parts += [*instruction_table(instructions), ""]
     if engine is not None:
         parts += [*engine_table(engine), ""]
+    parts += comparison_tables(compare or results / "compare")
     if scheduler is None and engine is None:
         parts.append(f"No results in {results}: run the benchmarks first.")
     return "\n".join(parts).rstrip() + "\n", found
@@ -303,10 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--out", type=Path, default=None, help="default: RESULTS/latest.md")
+    parser.add_argument(
+        "--compare", type=Path, default=None, help="before/after documents; RESULTS/compare"
+    )
     parser.add_argument("--readme", type=Path, default=None, help="update its bench block")
     parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
-    text, found = render(args.results)
+    text, found = render(args.results, args.compare)
     out = args.out or args.results / "latest.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

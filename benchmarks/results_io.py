@@ -1,7 +1,7 @@
 """What every benchmark records about its run, and how it writes its JSON document.
 
-Shared by ``scheduler_bench.py`` and ``engine_bench.py`` (run as scripts, so this
-folder is on ``sys.path``); ``report.py`` reads what they write.
+Shared by ``scheduler_bench.py``, ``instructions.py`` and ``engine_bench.py`` (run as
+scripts, so this folder is on ``sys.path``); ``report.py`` reads what they write.
 """
 
 from __future__ import annotations

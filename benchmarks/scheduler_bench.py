@@ -1,7 +1,9 @@
 """Scheduler overhead of the guard: per-step ``schedule()`` + ``update_from_output()`` time.
 
-Runs vLLM's real ``Scheduler`` (``AsyncScheduler`` for async cells) with a fake worker in
-steady state and compares three columns side by side, in one process:
+Runs vLLM's real ``Scheduler`` (``AsyncScheduler`` for async cells) in steady state on the
+project's harness (``vllm_prefix_guard.diagnostics``: the scheduler factory, the
+shadow-KV worker and the ``EngineCore``-like driver the tests and the fuzzer use) and
+compares three columns side by side, in one process:
 
 ``stock``
     vLLM as installed: its scheduler is built, and always stepped, with the guard undone.
@@ -22,26 +24,26 @@ Why it is built this way:
   seeded traffic. On a shared, noisy VM a burst of foreign load then hits neighbouring
   segments of every column alike; the guard/stock ratio is taken per segment pair and
   the median of those ratios is the headline number.
-- Only the two scheduler calls are timed (``perf_counter_ns``); the fake worker, request
-  creation and bookkeeping sit outside the timed region. The cyclic GC is collected,
-  frozen and disabled for the whole cell, so a collection never lands on one column.
+- Only the two scheduler calls are timed (``perf_counter_ns``, and thread CPU time
+  beside it); the worker, request creation and bookkeeping sit outside the timed
+  region (:class:`TimedDriver`). The cyclic GC is collected, frozen and disabled for the
+  whole cell, so a collection never lands on one column.
 - Under FCFS the guard changes no decision of vLLM's, so every column follows the same
-  trajectory (checked with a digest of each step's shape) and step ``i`` of one column
-  does the same work as step ``i`` of another. Under PRIORITY stock may serve *zombie*
-  blocks (registered, then their writer preempted in the same ``schedule()``); the fake
-  worker tracks which content each block holds and counts those hits, which the guard
-  turns into misses, so trajectories part there.
+  trajectory (checked with the driver's digest of each step's shape) and step ``i`` of
+  one column does the same work as step ``i`` of another. Under PRIORITY stock may serve
+  *zombie* blocks (registered, then their writer preempted in the same ``schedule()``);
+  the shadow-KV worker knows what every block holds and counts hits on wrong content
+  (its ``invalid`` hit tokens), which the guard turns into misses, so trajectories part
+  there.
 
 Usage (from the repository root, in a venv with vLLM and this project installed)::
 
     python benchmarks/scheduler_bench.py --out benchmarks/results/scheduler.json
-    python benchmarks/scheduler_bench.py --quick                  # smoke run, ~1 minute
+    python benchmarks/scheduler_bench.py --quick                  # smoke run, ~2 minutes
     python benchmarks/scheduler_bench.py --cells 256-fcfs-pressure-sync --columns stock,stock#2
     python benchmarks/scheduler_bench.py --cells 256-fcfs-pressure-sync --profile guard
-    python benchmarks/scheduler_bench.py --instructions --out benchmarks/results/instructions.json
 
-``--instructions`` counts instructions per step under callgrind (valgrind), one process
-per column: deterministic, so it answers what a noisy VM's clock cannot (1% or 5%?).
+Instruction counts of the same steps under callgrind are ``instructions.py``'s.
 """
 
 from __future__ import annotations
@@ -50,25 +52,26 @@ import argparse
 import cProfile
 import dataclasses
 import gc
-import json
+import operator
 import os
 import pstats
 import random
 import statistics
 import sys
-import tempfile
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from results_io import environment, write_document
+from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE, SchedulerSpec
+from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 
 COLUMNS = ("stock", "guard", "pr43569")
 BLOCK_SIZE = 16
-VOCAB = 1024  # the factory's placeholder model; token ids only need to be below it
+VOCAB = VOCAB_SIZE  # the factory's placeholder model; token ids only need to be below it
 
 
 # -- workload ------------------------------------------------------------------------------
@@ -169,9 +172,9 @@ class Cell:
         # every other step, with ~80% of max_num_seqs running.
         return shared + 10 * self.running
 
-    def scheduler_spec(self) -> dict[str, Any]:
-        """Keyword arguments for ``testing.factory.make_scheduler``."""
-        return dict(
+    def scheduler_spec(self) -> SchedulerSpec:
+        """What ``diagnostics.factory.make_scheduler`` builds for this cell."""
+        return SchedulerSpec(
             block_size=BLOCK_SIZE,
             num_blocks=self.num_blocks,
             max_num_seqs=self.running,
@@ -199,101 +202,66 @@ def default_cells(sizes: Iterable[int]) -> list[Cell]:
     ]
 
 
-# -- fake worker ---------------------------------------------------------------------------
+# -- one column's scheduler on the harness's engine loop ------------------------------------
 
 
-def sampled_token(request_index: int, position: int) -> int:
-    """The fake model's output at ``position``: fixed per request, so columns agree."""
-    return (request_index * 7919 + position * 104_729) % (VOCAB - 1) + 1
+def sampled_token(request_id: str, position: int) -> int:
+    """The fake model's token at ``position`` of request ``r<i>``: a function of ``(i,
+    position)``, so columns agree and repeated prompts still diverge, as sampled ones do."""
+    index = int(request_id[1:])
+    return (index * 7919 + position * 104_729) % (VOCAB - 1) + 1
 
 
-class FakeRunner:
-    """Executes scheduler outputs just enough for vLLM, and audits prefix-cache hits.
+_call = getattr(operator, "call", lambda method, *args: method(*args))  # 3.11+: C function
 
-    It samples one token for every request whose scheduled chunk reaches its end, which is
-    all ``update_from_output`` needs. It also tracks, per KV block, which content the last
-    executed step left there, as ``(request, block index)`` (whose block hash names it):
-    O(1) per scheduled request and step. A request entering with a prefix-cache hit (new,
-    or resumed after preemption) reads its hit blocks; a hit block that does not hold the
-    content the request's block hash names was never written for it: a zombie hit.
-    Writes of a step land before its reads, as in one forward pass, so hitting a block
-    registered and written in the same step is valid.
+
+class TimedDriver(MeteredDriver):
+    """The harness's engine loop and shadow-KV worker, timing the scheduler's calls only.
+
+    :class:`~vllm_prefix_guard.diagnostics.shadow_kv.Driver` runs ``schedule()`` and
+    ``update_from_output()`` through :meth:`call_schedule` and :meth:`call_update`; here
+    each is timed (``perf_counter_ns`` and thread CPU time) around that call alone, so the
+    worker's execution, its audit of every read and the loop's bookkeeping stay outside.
+    The call itself goes through ``operator.call``, the C function callgrind collects
+    inside (``instructions.py``). ``schedule_ns``/``update_ns``/``cpu_ns`` hold the
+    current engine iteration's; :meth:`Lane.iterate` resets them.
     """
 
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        self.block_size: int = scheduler.block_size
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        self.req_to_blocks = manager.req_to_blocks
-        self.index_of: dict[str, int] = {}
-        # block_id -> (request, block index) whose full content the block holds.
-        self.content: dict[int, tuple[Any, int]] = {}
-        self.zombie_hit_tokens = 0
-        self.zombie_hits: list[tuple[str, int]] = []
+    def __init__(self, scheduler: Any, depth: int, ledger: Any) -> None:
+        super().__init__(scheduler, depth, sample=sampled_token)
+        self.ledger = ledger
+        self.profiler: cProfile.Profile | None = None
+        self.schedule_ns = self.update_ns = self.cpu_ns = 0
+        self.max_registrations_per_step = 0
 
-    def plan(self, output: Any) -> tuple[Any, list[tuple[Any, ...]]]:
-        """What ``output`` will do, captured right after ``schedule()`` returned it."""
-        requests = self.scheduler.requests
-        req_to_blocks = self.req_to_blocks
-        size = self.block_size
-        fresh = {r.req_id for r in output.scheduled_new_reqs}
-        fresh.update(output.scheduled_cached_reqs.resumed_req_ids)
-        work = []
-        for req_id, num_tokens in output.num_scheduled_tokens.items():
-            request = requests[req_id]
-            end = request.num_computed_tokens
-            start = end - num_tokens
-            blocks = req_to_blocks[req_id]
-            first = start // size
-            touched = [blocks[i].block_id for i in range(first, (end - 1) // size + 1)]
-            hits = [b.block_id for b in blocks[:first]] if req_id in fresh else None
-            samples = not request.is_prefill_chunk
-            work.append((req_id, request, start, end, first, touched, hits, samples))
-        return output, work
+    def call_schedule(self) -> Any:
+        ledger = self.ledger
+        tracked = ledger.stats.registrations_tracked if ledger is not None else 0
+        output, self.schedule_ns = self._timed(self.scheduler.schedule)
+        if ledger is not None:
+            registered = ledger.stats.registrations_tracked - tracked
+            if registered > self.max_registrations_per_step:
+                self.max_registrations_per_step = registered
+        return output
 
-    def execute(self, planned: tuple[Any, list[tuple[Any, ...]]]) -> Any:
-        """Write the step's blocks, audit its hits, return its ``ModelRunnerOutput``."""
-        from vllm.v1.outputs import ModelRunnerOutput
+    def call_update(self, output: Any, result: Any) -> Any:
+        outputs, self.update_ns = self._timed(self.scheduler.update_from_output, output, result)
+        return outputs
 
-        _, work = planned
-        size = self.block_size
-        content = self.content
-        for _, request, start, end, first, touched, _, _ in work:
-            for offset, block_id in enumerate(touched):
-                index = first + offset
-                if (index + 1) * size <= end:
-                    content[block_id] = (request, index)
-                elif index * size >= start:
-                    content.pop(block_id, None)  # begun anew: partial content only
-        for req_id, request, _, _, _, _, hits, _ in work:
-            if hits:
-                self._audit(req_id, request, hits)
-        index_of = self.index_of
-        req_ids = [item[0] for item in work]
-        sampled = [
-            [sampled_token(index_of[req_id], end)] if samples else []
-            for req_id, _, _, end, _, _, _, samples in work
-        ]
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
-
-    def _audit(self, req_id: str, request: Any, hits: list[int]) -> None:
-        expected = request.block_hashes
-        for index, block_id in enumerate(hits):
-            held = self.content.get(block_id)
-            if held is not None:
-                writer, written = held
-                if writer.block_hashes[written] == expected[index]:
-                    continue
-            self.zombie_hit_tokens += self.block_size
-            if len(self.zombie_hits) < 20:
-                self.zombie_hits.append((req_id, block_id))
-
-
-# -- columns -------------------------------------------------------------------------------
+    def _timed(self, method: Any, *args: Any) -> tuple[Any, int]:
+        """``method(*args)`` and its wall time; its thread CPU time goes to ``cpu_ns``."""
+        profiler = self.profiler
+        perf, cpu = time.perf_counter_ns, time.thread_time_ns
+        if profiler is not None:
+            profiler.enable()
+        c0 = cpu()
+        t0 = perf()
+        result = _call(method, *args)
+        wall = perf() - t0
+        self.cpu_ns += cpu() - c0
+        if profiler is not None:
+            profiler.disable()
+        return result, wall
 
 
 def mode_of(column: str) -> str:
@@ -311,16 +279,13 @@ def select(column: str) -> None:
         plugin.apply()
 
 
-# -- one column's scheduler ----------------------------------------------------------------
-
-
 class Lane:
-    """One column: its scheduler, fake worker, traffic cursor, in-flight steps, counters.
+    """One column: its scheduler on a :class:`TimedDriver`, traffic cursor and counters.
 
-    :meth:`iterate` is one ``EngineCore`` iteration: ``step`` when sync, and
-    ``step_with_batch_queue``'s cadence when async (schedule while the queue has room,
-    else complete the oldest step), so each steady-state iteration is one ``schedule()``
-    and one ``update_from_output()``.
+    :meth:`iterate` tops the backlog up and runs one engine iteration (the driver's
+    ``step``: ``EngineCore.step`` when sync, ``step_with_batch_queue``'s cadence when
+    async), so each steady-state iteration is one ``schedule()`` and one
+    ``update_from_output()``.
     """
 
     def __init__(self, cell: Cell, column: str) -> None:
@@ -329,11 +294,11 @@ class Lane:
 
         self.cell, self.column = cell, column
         select(column)
-        self.scheduler = make_scheduler(**cell.scheduler_spec())
-        self.ledger = hooks.ledger_of(self.scheduler)
+        scheduler = make_scheduler(cell.scheduler_spec())
+        self.ledger = hooks.ledger_of(scheduler)
         self.in_flight_rollbacks: Any = None  # PR #43569's extra undos (pr43569 column)
         if mode_of(column) == "stock":
-            pool = type(self.scheduler.kv_cache_manager.block_pool)
+            pool = type(scheduler.kv_cache_manager.block_pool)
             assert self.ledger is None and pool.__name__ == "BlockPool", "stock is guarded"
         else:
             assert self.ledger is not None, "guarded scheduler without a ledger"
@@ -341,11 +306,11 @@ class Lane:
                 from vllm_prefix_guard.diagnostics.fuzz.pr43569 import adopt_pr43569_scope
 
                 self.in_flight_rollbacks = adopt_pr43569_scope(self.ledger)
-        self.runner = FakeRunner(self.scheduler)
+        self.driver = TimedDriver(scheduler, cell.depth, self.ledger)
+        self.scheduler = scheduler
         self.traffic = cell.traffic
         self.prefixes = self.traffic.prefixes()
         self.next_index = 0
-        self.in_flight: deque[tuple[Any, list[tuple[Any, ...]]]] = deque()
         self.admitting = True
         # Measured iterations (ns), and the whole run's counters.
         self.step_ns: list[int] = []
@@ -353,19 +318,12 @@ class Lane:
         self.schedule_ns: list[int] = []
         self.update_ns: list[int] = []
         self.running_sum = 0
-        self.hit_tokens = 0
-        self.query_tokens = 0
-        self.preemptions = 0
-        self.scheduled_tokens = 0
         self.iterations = 0
         self.drain_iterations = 0
-        self.max_registrations_per_step = 0
-        self.digest = 0
-        self.profiler: cProfile.Profile | None = None
 
     @property
     def idle(self) -> bool:
-        return not self.in_flight and not self.scheduler.has_requests()
+        return not self.driver.in_flight and not self.scheduler.has_requests()
 
     def _top_up(self) -> None:
         from vllm_prefix_guard.diagnostics.factory import make_request
@@ -375,11 +333,9 @@ class Lane:
             index = self.next_index
             self.next_index += 1
             prompt, max_tokens, priority = self.traffic.request(index, self.prefixes)
-            req_id = f"r{index}"
-            self.runner.index_of[req_id] = index
             scheduler.add_request(
                 make_request(
-                    req_id,
+                    f"r{index}",
                     prompt,
                     block_size=BLOCK_SIZE,
                     max_tokens=max_tokens,
@@ -389,68 +345,19 @@ class Lane:
             )
 
     def iterate(self, measured: bool) -> None:
-        scheduler, ledger, profiler = self.scheduler, self.ledger, self.profiler
-        perf, cpu = time.perf_counter_ns, time.thread_time_ns
-        cpu_ns = 0
         if self.admitting:
             self._top_up()
         else:
             self.drain_iterations += 1
         self.iterations += 1
-        schedule_ns = update_ns = 0
-        if len(self.in_flight) < self.cell.depth and scheduler.has_requests():
-            tracked = ledger.stats.registrations_tracked if ledger is not None else 0
-            if profiler is not None:
-                profiler.enable()
-            c0 = cpu()
-            t0 = perf()
-            output = scheduler.schedule()
-            schedule_ns = perf() - t0
-            cpu_ns = cpu() - c0
-            if profiler is not None:
-                profiler.disable()
-            if ledger is not None:
-                registered = ledger.stats.registrations_tracked - tracked
-                if registered > self.max_registrations_per_step:
-                    self.max_registrations_per_step = registered
-            self.preemptions += len(output.preempted_req_ids or ())
-            self.scheduled_tokens += output.total_num_scheduled_tokens
-            self.digest = hash(
-                (self.digest, output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
-            )
-            self.in_flight.append(self.runner.plan(output))
-            if len(self.in_flight) < self.cell.depth and (
-                output.total_num_scheduled_tokens or scheduler.has_requests()
-            ):
-                # step_with_batch_queue returns here: the queue has room for another step.
-                self._record(measured, schedule_ns, 0, cpu_ns)
-                return
-        if self.in_flight:
-            planned = self.in_flight.popleft()
-            model_output = self.runner.execute(planned)
-            if profiler is not None:
-                profiler.enable()
-            c0 = cpu()
-            t0 = perf()
-            outputs = scheduler.update_from_output(planned[0], model_output)
-            update_ns = perf() - t0
-            cpu_ns += cpu() - c0
-            if profiler is not None:
-                profiler.disable()
-            for eco in outputs.values():
-                stats = eco.scheduler_stats
-                if stats is not None:
-                    cache = stats.prefix_cache_stats
-                    self.hit_tokens += cache.hits + cache.preempted_hits
-                    self.query_tokens += cache.queries + cache.preempted_queries
-        self._record(measured, schedule_ns, update_ns, cpu_ns)
-
-    def _record(self, measured: bool, schedule_ns: int, update_ns: int, cpu_ns: int) -> None:
+        driver = self.driver
+        driver.schedule_ns = driver.update_ns = driver.cpu_ns = 0
+        driver.step()
         if measured:
-            self.schedule_ns.append(schedule_ns)
-            self.update_ns.append(update_ns)
-            self.step_ns.append(schedule_ns + update_ns)
-            self.step_cpu_ns.append(cpu_ns)
+            self.schedule_ns.append(driver.schedule_ns)
+            self.update_ns.append(driver.update_ns)
+            self.step_ns.append(driver.schedule_ns + driver.update_ns)
+            self.step_cpu_ns.append(driver.cpu_ns)
             self.running_sum += len(self.scheduler.running)
 
     def drain(self, limit: int = 100_000) -> None:
@@ -463,31 +370,36 @@ class Lane:
         raise RuntimeError(f"{self.column}: still busy after {limit} drain iterations")
 
     def counters(self) -> dict[str, Any]:
+        driver = self.driver
+        kv = driver.fuzz_kv
+        zombies = dict.fromkeys((v.request_id, v.block_id) for v in kv.violations)
         out: dict[str, Any] = {
             "median_step_us": _median_us(self.step_ns),
             "median_schedule_us": _median_us(self.schedule_ns),
             "median_update_us": _median_us(self.update_ns),
             "p90_step_us": _quantile_us(self.step_ns, 0.9),
             "median_step_cpu_us": _median_us(self.step_cpu_ns),
-            "hit_tokens": self.hit_tokens,
-            "query_tokens": self.query_tokens,
-            "preemptions": self.preemptions,
-            "scheduled_tokens": self.scheduled_tokens,
-            "zombie_hit_tokens": self.runner.zombie_hit_tokens,
-            "zombie_hit_examples": self.runner.zombie_hits[:5],
+            "hit_tokens": driver.hit_tokens + driver.preempted_hit_tokens,
+            "query_tokens": driver.query_tokens + driver.preempted_query_tokens,
+            "preemptions": driver.preemptions,
+            "scheduled_tokens": driver.scheduled_tokens,
+            "zombie_hit_tokens": kv.invalid_hit_tokens + kv.invalid_resume_hit_tokens,
+            "zombie_hit_examples": list(zombies)[:5],
+            "bad_kv_reads": driver.violations,
             "mean_running": round(self.running_sum / max(1, len(self.step_ns)), 1),
             "requests_admitted": self.next_index,
             "iterations": self.iterations,
             "drain_iterations": self.drain_iterations,
-            "trajectory": f"{self.digest & 0xFFFFFFFF:08x}",
+            "trajectory": f"{driver.trajectory & 0xFFFFFFFF:08x}",
         }
         ledger = self.ledger
         if ledger is not None:
             stats = ledger.counters()
-            bound = self.cell.depth * self.max_registrations_per_step
+            most = driver.max_registrations_per_step
+            bound = self.cell.depth * most
             out["ledger"] = {
                 **stats,
-                "max_registrations_per_step": self.max_registrations_per_step,
+                "max_registrations_per_step": most,
                 "peak_bound": bound,
                 "peak_within_bound": stats["peak_uncommitted_entries"] <= bound,
                 "idle_after_drain": ledger.is_idle,
@@ -509,6 +421,23 @@ def _quantile_us(samples: list[int], q: float) -> float:
 
 
 # -- a cell: interleaved segments ----------------------------------------------------------
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect, freeze and disable the cyclic GC, so a collection never lands on one
+    column's timed call; on the way out leave vLLM stock and the GC as it was."""
+    from vllm_prefix_guard import plugin
+
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        plugin.undo()
+        gc.enable()
+        gc.unfreeze()
 
 
 def rotated(columns: tuple[str, ...], turn: int) -> list[str]:
@@ -567,16 +496,11 @@ def segment_ratios(column: list[float], reference: list[float]) -> dict[str, Any
 
 def run_cell(cell: Cell, plan: Plan, columns: tuple[str, ...], log: Any = sys.stdout) -> dict:
     """Build one lane per column, warm up, measure in rotated segments, then drain."""
-    from vllm_prefix_guard import plugin
-
     started = time.monotonic()
     lanes: dict[str, Lane] = {}
     wall: dict[str, list[float]] = {c: [] for c in columns}
     cpu: dict[str, list[float]] = {c: [] for c in columns}
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
+    with frozen_heap():
         for column in columns:
             lanes[column] = Lane(cell, column)
         for turn in range(plan.warmup):
@@ -596,10 +520,6 @@ def run_cell(cell: Cell, plan: Plan, columns: tuple[str, ...], log: Any = sys.st
         for column in columns:
             select(column)
             lanes[column].drain()
-    finally:
-        plugin.undo()
-        gc.enable()
-        gc.unfreeze()
     summary: dict[str, Any] = {"cell": cell.name, **dataclasses.asdict(cell)}
     summary.update(num_blocks=cell.num_blocks, depth=cell.depth, **dataclasses.asdict(plan))
     summary["columns"] = {}
@@ -646,123 +566,21 @@ def _ratio(value: int, reference: int) -> float | None:
 
 def profile_cell(cell: Cell, plan: Plan, column: str, path: Path) -> None:
     """cProfile the measured scheduler calls of one column; print the top and save."""
-    from vllm_prefix_guard import plugin
-
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
+    with frozen_heap():
         lane = Lane(cell, column)
         for _ in range(plan.warmup):
             lane.iterate(measured=False)
-        lane.profiler = cProfile.Profile()
+        profiler = lane.driver.profiler = cProfile.Profile()
         for _ in range(plan.steps):
             lane.iterate(measured=True)
-        profiler = lane.profiler
-        lane.profiler = None
+        lane.driver.profiler = None
         lane.drain()
-    finally:
-        plugin.undo()
-        gc.enable()
-        gc.unfreeze()
     profiler.dump_stats(str(path))
     stats = pstats.Stats(profiler)
     print(f"{cell.name} {column}: {plan.steps} steps, {stats.total_tt:.3f} s profiled")  # type: ignore[attr-defined]
     stats.sort_stats("tottime").print_stats(20)
     stats.print_stats("prefix_guard")
     print(f"profile written to {path}")
-
-
-# -- instruction counts (callgrind) -------------------------------------------------------
-
-
-def callgrind_child(cell: Cell, column: str, warmup: int, steps: int) -> int:
-    """Runs inside callgrind: warm up uninstrumented, then count the measured calls only.
-
-    The scheduler calls go through ``operator.call`` (the C function ``_operator_call``,
-    which callgrind collects inside via ``--toggle-collect``), so the fake worker and the
-    bookkeeping are not counted. Instrumentation is switched on only after warm-up.
-    """
-    import operator
-    import subprocess
-
-    from vllm_prefix_guard import plugin
-
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    lane = Lane(cell, column)
-    for _ in range(warmup):
-        lane.iterate(measured=False)
-    scheduler = lane.scheduler
-    schedule, update = scheduler.schedule, scheduler.update_from_output
-    scheduler.schedule = lambda *a: operator.call(schedule, *a)
-    scheduler.update_from_output = lambda *a: operator.call(update, *a)
-    pid = str(os.getpid())
-    subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
-    time.sleep(0.5)  # callgrind polls its command file
-    for _ in range(steps):
-        lane.iterate(measured=True)
-    subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
-    counters = lane.counters()
-    print(json.dumps({"trajectory": counters["trajectory"], "ledger": counters.get("ledger")}))
-    plugin.undo()
-    return 0
-
-
-def run_instructions(
-    cells: list[Cell], columns: tuple[str, ...], warmup: int, steps: int
-) -> list[dict[str, Any]]:
-    """Instructions per measured step for each cell and column, one callgrind run each.
-
-    Deterministic (PYTHONHASHSEED=0; repeated runs agree to 0.01%), so it settles what a
-    shared VM's timings cannot: whether the guard adds 1% or 5% to the scheduler's work.
-    Instructions are not time (cache misses are not counted), but the scheduler is
-    interpreter-bound and the two move together.
-    """
-    import re
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor
-
-    env = dict(os.environ, PYTHONHASHSEED="0")
-
-    def one(cell: Cell, column: str) -> tuple[int, dict[str, Any]]:
-        with tempfile.TemporaryDirectory() as tmp:
-            command = [
-                "valgrind", "--tool=callgrind", "--instr-atstart=no",
-                "--collect-atstart=no", "--toggle-collect=_operator_call",
-                f"--callgrind-out-file={tmp}/callgrind.out",
-                sys.executable, __file__, "--callgrind-child", cell.name, column,
-                str(warmup), str(steps),
-            ]  # fmt: skip
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-        found = re.search(r"Collected : (\d+)", done.stderr)
-        if done.returncode != 0 or found is None:
-            raise RuntimeError(f"callgrind run {cell.name}/{column} failed:\n{done.stderr[-2000:]}")
-        return int(found.group(1)), json.loads(done.stdout.strip().splitlines()[-1])
-
-    jobs = [(cell, column) for cell in cells for column in columns]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda job: one(*job), jobs))
-    by_job = dict(zip(jobs, results, strict=True))
-    summaries = []
-    for cell in cells:
-        reference, _ = by_job[(cell, columns[0])]
-        entry: dict[str, Any] = {"cell": cell.name, "warmup": warmup, "steps": steps}
-        for column in columns:
-            count, info = by_job[(cell, column)]
-            entry[column] = {
-                "instructions_per_step": count // steps,
-                "ratio": round(count / reference, 4),
-                "trajectory": info["trajectory"],
-            }
-        summaries.append(entry)
-        line = "  ".join(
-            f"{c}={entry[c]['instructions_per_step'] / 1e6:.2f}M (x{entry[c]['ratio']:.4f})"
-            for c in columns
-        )
-        print(f"  {cell.name} instructions/step: {line}", flush=True)
-    return summaries
 
 
 # -- CLI -----------------------------------------------------------------------------------
@@ -783,6 +601,27 @@ def write_results(
     write_document(out, document)
 
 
+def parse_columns(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    """``--columns``: stock first (ratios are against it), each optionally ``#suffixed``."""
+    columns = tuple(c for c in text.split(",") if c)
+    if not columns or mode_of(columns[0]) != "stock":
+        parser.error("--columns must start with stock (ratios are against it)")
+    if any(mode_of(c) not in COLUMNS for c in columns):
+        parser.error(f"--columns takes {', '.join(COLUMNS)} (optionally with a #suffix)")
+    return columns
+
+
+def parse_cells(parser: argparse.ArgumentParser, sizes: str, names: str) -> list[Cell]:
+    """``--sizes`` and ``--cells``: the default cells of those sizes, those named if any."""
+    cells = default_cells(int(s) for s in sizes.split(","))
+    if names:
+        keep = set(names.split(","))
+        cells = [c for c in cells if c.name in keep]
+        if not cells:
+            parser.error(f"no cell matches {names!r}")
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64,256,1024", help="running requests per cell")
@@ -791,7 +630,6 @@ def main(argv: list[str] | None = None) -> int:
         "--columns", default=",".join(COLUMNS), help="first is the reference; stock#2 for A/A"
     )
     parser.add_argument("--segments", type=int, default=0, help="override measured segments")
-    parser.add_argument("--steps", type=int, default=0, help="measured steps (--instructions)")
     parser.add_argument("--segment-steps", type=int, default=0, help="override steps/segment")
     parser.add_argument("--warmup", type=int, default=0, help="override warm-up iterations")
     parser.add_argument("--quick", action="store_true", help="short smoke run")
@@ -799,38 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", choices=COLUMNS, default=None, help="cProfile one column instead"
     )
-    parser.add_argument(
-        "--instructions",
-        action="store_true",
-        help="count instructions per step under callgrind instead (default cell: 256 sync)",
-    )
-    parser.add_argument("--callgrind-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.callgrind_child:
-        name, column, warmup, steps = args.callgrind_child
-        cell = next(c for c in default_cells([int(name.split("-")[0])]) if c.name == name)
-        return callgrind_child(cell, column, int(warmup), int(steps))
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    columns = tuple(c for c in args.columns.split(",") if c)
-    if not columns or mode_of(columns[0]) != "stock":
-        parser.error("--columns must start with stock (ratios are against it)")
-    if any(mode_of(c) not in COLUMNS for c in columns):
-        parser.error(f"--columns takes {', '.join(COLUMNS)} (optionally with a #suffix)")
-    cells = default_cells(int(s) for s in args.sizes.split(","))
-    if args.cells:
-        keep = set(args.cells.split(","))
-        cells = [c for c in cells if c.name in keep]
-        if not cells:
-            parser.error(f"no cell matches {args.cells!r}")
+    columns = parse_columns(parser, args.columns)
+    cells = parse_cells(parser, args.sizes, args.cells)
 
     started = time.monotonic()
-    if args.instructions:
-        if not args.cells:
-            cells = [c for c in cells if c.name == "256-fcfs-nopressure-sync"] or cells[:1]
-        counts = run_instructions(cells, columns, args.warmup or 150, args.steps or 15)
-        write_results(args.out, "scheduler-instructions", columns, started, counts)
-        return 0
     summaries = []
     for cell in cells:
         plan = plan_for(cell.running, args.quick)

@@ -70,3 +70,70 @@ def test_a_reported_block_with_right_content_is_a_clean_read() -> None:
     assert (kv.counts.total(), kv.discarded_reads) == (0, 1)  # known loss, not a violation
     assert not kv.check_reads(2, read, skip_blocks=set())
     assert kv.counts.total() == 1
+
+
+def test_remembered_verification_sees_a_later_rewrite() -> None:
+    """Reads are remembered (a request's verified prefix, a block's verified positions),
+    yet a slot rewritten after its reader verified it is caught at the next read, and a
+    first write into an empty slot changes nothing verified."""
+    from vllm_prefix_guard.diagnostics.shadow_kv import ScheduledRead, ShadowKV, TokenModel
+
+    kv = ShadowKV(block_size=4)
+    model = TokenModel(list(range(1, 11)))
+    for position in range(10):
+        kv.write(position // 4, position % 4, model.fingerprint(position))
+    read = ScheduledRead("r", model, start=10, num_tokens=1, block_ids=[0, 1, 2], samples=True)
+    assert kv.check_reads(0, read, set())
+    kv.write(2, 3, model.fingerprint(11))  # fresh slot past the read: nothing to forget
+    assert kv.check_reads(1, read, set())
+    kv.write(1, 2, ~model.fingerprint(6))  # inside the verified prefix
+    assert not kv.check_reads(2, read, set())
+    assert (kv.counts.total(), kv.violations[0].position) == (1, 6)
+    kv.write(1, 2, model.fingerprint(6))
+    assert kv.check_reads(3, read, set())
+    kv.write(2, 1, ~model.fingerprint(9))  # inside the verified part of the partial block
+    assert not kv.check_reads(4, read, set())
+    assert kv.counts.total() == 2
+
+
+def test_a_callers_sampling_rule_sets_the_tokens_past_the_prompt() -> None:
+    from vllm_prefix_guard.diagnostics.shadow_kv import TokenModel, next_token
+
+    greedy = TokenModel([5, 6, 7])
+    assert greedy.token(3) == next_token(greedy.fingerprint(2))
+    sampled = TokenModel([5, 6, 7], sample=lambda position: 100 + position)
+    assert [sampled.token(p) for p in range(6)] == [5, 6, 7, 103, 104, 105]
+    assert sampled.fingerprint(2) == greedy.fingerprint(2)
+    assert sampled.fingerprint(3) != greedy.fingerprint(3)
+
+
+def test_the_driver_calls_the_scheduler_through_its_hooks_only() -> None:
+    """What a benchmark times: every ``schedule()`` and ``update_from_output()`` goes
+    through ``call_schedule``/``call_update``; the trajectory digest repeats with the run."""
+    from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+
+    class Counting(Driver):
+        def __init__(self, scheduler: object, depth: int) -> None:
+            super().__init__(scheduler, depth)
+            self.calls = {"schedule": 0, "update": 0}
+
+        def call_schedule(self) -> object:
+            self.calls["schedule"] += 1
+            return super().call_schedule()
+
+        def call_update(self, output: object, result: object) -> object:
+            self.calls["update"] += 1
+            return super().call_update(output, result)
+
+    def run() -> Counting:
+        driver = Counting(make_scheduler(num_blocks=40, async_scheduling=True), depth=2)
+        for i in range(3):
+            driver.add(make_request(f"r{i}", list(range(1, 40)), max_tokens=5))
+        driver.run()
+        return driver
+
+    driver = run()
+    assert driver.calls["schedule"] == driver.calls["update"] == len(driver.outputs) > 0
+    assert driver.violations == 0 and driver.trajectory != 0
+    assert run().trajectory == driver.trajectory

@@ -8,7 +8,9 @@ reads against the fingerprint the request expects there. A mismatch is a violati
 
 The "model" is deterministic: the token after a prefix is a function of that prefix's
 fingerprint, so the worker knows every request's tokens from its prompt alone and
-what it returns as sampled is what vLLM appends.
+what it returns as sampled is what vLLM appends. A caller may instead name each
+request's token at each position (``sample``, as seeded sampling would: requests with
+one prompt then diverge); the fingerprints follow whatever was sampled.
 
 Within a step all writes (connector loads first, then computed tokens) happen before
 any read, as in one forward pass; steps execute in dispatch order, as on one stream.
@@ -19,7 +21,9 @@ see *wrong content*, which is how garbage propagates through a real model.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE
@@ -28,23 +32,49 @@ NEVER_WRITTEN = "never_written"
 WRONG_CONTENT = "wrong_content"
 
 
+# The token a request holds at a position past its prompt: ``sample(position)``.
+Sample = Callable[[int], int]
+
+
 class TokenModel:
-    """Tokens and prefix fingerprints of one prompt's deterministic continuation."""
+    """Tokens and prefix fingerprints of one prompt's deterministic continuation.
 
-    __slots__ = ("fingerprints", "tokens")
+    Past the prompt, the token at ``i`` is ``sample(i)`` if given, else the greedy
+    :func:`next_token` of the prefix before it.
+    """
 
-    def __init__(self, prompt: list[int]) -> None:
+    __slots__ = ("fingerprints", "sample", "tokens")
+
+    def __init__(self, prompt: list[int], sample: Sample | None = None) -> None:
         self.tokens = list(prompt)
         self.fingerprints: list[int] = []
+        self.sample = sample
 
     def fingerprint(self, position: int) -> int:
         fps, tokens = self.fingerprints, self.tokens
-        while len(fps) <= position:
-            i = len(fps)
-            if i >= len(tokens):
-                tokens.append(next_token(fps[i - 1]))
-            fps.append(hash((fps[i - 1] if i else 0x5EED, tokens[i])))
+        if len(fps) <= position:
+            previous = fps[-1] if fps else 0x5EED
+            for i in range(len(fps), position + 1):
+                if i >= len(tokens):
+                    tokens.append(self._sampled(i))
+                previous = hash((previous, tokens[i]))
+                fps.append(previous)
         return fps[position]
+
+    def token(self, position: int) -> int:
+        """The token at ``position``: what the model samples there, past the prompt."""
+        tokens = self.tokens
+        if position >= len(tokens):
+            self.fingerprint(position - 1)
+            if position == len(tokens):
+                tokens.append(self._sampled(position))
+        return tokens[position]
+
+    def _sampled(self, position: int) -> int:
+        # Called with every token before ``position`` fingerprinted.
+        if self.sample is not None:
+            return self.sample(position)
+        return next_token(self.fingerprints[position - 1])
 
 
 def next_token(fingerprint: int) -> int:
@@ -84,7 +114,17 @@ class StepPlan:
 
 @dataclass
 class ShadowKV:
-    """Slot contents, per block version (for cheap re-verification), and violations."""
+    """Slot contents, what has been verified of them, and violations.
+
+    Verification is remembered, so a request's reads cost O(what changed) per step, not
+    O(its prefix): per ``(request, block index)``, the block and its *version* and how
+    many leading positions held the right content; per request, the ids of its leading
+    whole blocks all verified so (its *verified prefix*). A block's version moves, and
+    the verified prefixes holding it are dropped, whenever a written slot's content
+    changes; a first write into an empty slot cannot touch anything verified.
+    Remembered results are only ever facts about unchanged slots, so reads are judged
+    exactly as if every position were checked each time.
+    """
 
     block_size: int
     slots: dict[int, list[int | None]] = field(default_factory=dict)
@@ -93,14 +133,24 @@ class ShadowKV:
     counts: Counter[str] = field(default_factory=Counter)
     # (request_id, block index) -> (block_id, version, positions verified)
     _verified: dict[tuple[str, int], tuple[int, int, int]] = field(default_factory=dict)
+    # request_id -> ids of its leading whole blocks, each verified, none changed since
+    _prefix: dict[str, list[int]] = field(default_factory=dict)
+    # block_id -> requests whose verified prefix holds it
+    _watchers: dict[int, set[str]] = field(default_factory=dict)
 
     def write(self, block_id: int, offset: int, fingerprint: int) -> None:
         slots = self.slots.get(block_id)
         if slots is None:
             slots = self.slots[block_id] = [None] * self.block_size
-        if slots[offset] != fingerprint:
+        held = slots[offset]
+        if held != fingerprint:
             slots[offset] = fingerprint
-            self.versions[block_id] = self.versions.get(block_id, 0) + 1
+            if held is not None:  # content changed: what was verified of it no longer holds
+                self.versions[block_id] = self.versions.get(block_id, 0) + 1
+                watchers = self._watchers.pop(block_id, None)
+                if watchers:
+                    for request_id in watchers:
+                        self._prefix.pop(request_id, None)
 
     def check_reads(
         self, step: int, read: ScheduledRead, skip_blocks: set[int], record: bool = True
@@ -110,43 +160,68 @@ class ShadowKV:
         Wrong content in ``skip_blocks`` (failed loads vLLM was told of: it discards the
         affected outputs) is not a violation, but still makes the read unclean. Right
         content there is a clean read: the id may name a block rewritten since, e.g.
-        reused by a load that succeeded.
+        reused by a load that succeeded. With ``record=False`` nothing is counted and the
+        check stops at the first wrong position.
 
         Returns:
             Whether every read position held the expected content.
         """
         size = self.block_size
+        request_id, block_ids, start = read.request_id, read.block_ids, read.start
+        num_blocks = -(-start // size)
+        verified = self._verified
+        prefix = self._prefix.get(request_id)
+        first = 0
+        if prefix is not None and len(prefix) <= num_blocks and block_ids[: len(prefix)] == prefix:
+            first = len(prefix)
+        whole = first  # leading whole blocks known to hold the right content
         clean_read = True
-        for index in range(-(-read.start // size)):
-            block_id = read.block_ids[index]
-            upto = min(size, read.start - index * size)
+        if start:
+            read.model.fingerprint(start - 1)
+        expected = read.model.fingerprints
+        for index in range(first, num_blocks):
+            block_id = block_ids[index]
+            upto = min(size, start - index * size)
             version = self.versions.get(block_id, 0)
-            key = (read.request_id, index)
-            seen = self._verified.get(key)
-            if seen is not None and seen[0] == block_id and seen[1] == version and seen[2] >= upto:
-                continue
-            skipped = block_id in skip_blocks
-            slots = self.slots.get(block_id)
+            key = (request_id, index)
+            seen = verified.get(key)
+            begin = 0
+            if seen is not None and seen[0] == block_id and seen[1] == version:
+                begin = seen[2]
             clean = True
-            for offset in range(upto):
-                position = index * size + offset
-                held = None if slots is None else slots[offset]
-                if held == read.model.fingerprint(position):
-                    continue
-                clean = False
-                if skipped or not record:
-                    break
-                kind = NEVER_WRITTEN if held is None else WRONG_CONTENT
-                self.counts[kind] += 1
-                if len(self.violations) < 100:
-                    self.violations.append(
-                        Violation(step, read.request_id, position, block_id, kind)
-                    )
-            if clean and record:
-                self._verified[key] = (block_id, version, upto)
+            if begin < upto:
+                skipped = block_id in skip_blocks
+                slots = self.slots.get(block_id)
+                for offset in range(begin, upto):
+                    position = index * size + offset
+                    held = None if slots is None else slots[offset]
+                    if held == expected[position]:
+                        continue
+                    clean = False
+                    if skipped or not record:
+                        break
+                    kind = NEVER_WRITTEN if held is None else WRONG_CONTENT
+                    self.counts[kind] += 1
+                    if len(self.violations) < 100:
+                        self.violations.append(
+                            Violation(step, request_id, position, block_id, kind)
+                        )
+                if clean:
+                    verified[key] = (block_id, version, upto)
+            if clean and whole == index and upto == size:
+                whole += 1
             clean_read &= clean
             if not clean_read and not record:
-                return False
+                break
+        if whole > first:
+            self._prefix[request_id] = block_ids[:whole]
+            watchers = self._watchers
+            for block_id in block_ids[first:whole]:
+                readers = watchers.get(block_id)
+                if readers is None:
+                    watchers[block_id] = {request_id}
+                else:
+                    readers.add(request_id)
         return clean_read
 
 
@@ -156,9 +231,13 @@ def poisoned(fingerprint: int) -> int:
 
 
 class ShadowWorker:
-    """Executes scheduler outputs against a :class:`ShadowKV` and builds their results."""
+    """Executes scheduler outputs against a :class:`ShadowKV` and builds their results.
 
-    def __init__(self, scheduler: Any) -> None:
+    ``sample(request_id, position)``, if given, is each request's token past its prompt
+    (see :class:`TokenModel`); by default the greedy fake model's.
+    """
+
+    def __init__(self, scheduler: Any, sample: Callable[[str, int], int] | None = None) -> None:
         self.scheduler = scheduler
         # The oracle follows the first KV-cache group (full attention); on a hybrid model
         # the scheduler's own block size is the LCM of every group's.
@@ -166,6 +245,7 @@ class ShadowWorker:
         self.block_size: int = groups[0].kv_cache_spec.block_size
         self.kv = ShadowKV(self.block_size)
         self.models: dict[str, TokenModel] = {}
+        self.sample = sample
         self.steps_executed = 0
         # (invalid block ids, requests whose load failed) per executed step that had any.
         self.failure_reports: list[tuple[set[int], set[str]]] = []
@@ -177,7 +257,7 @@ class ShadowWorker:
     def fork(self) -> ShadowWorker:
         """A copy to execute steps on without touching this worker: what the KV will hold
         once the steps in flight ran (the rollback audit's ideal policy asks)."""
-        twin = ShadowWorker(self.scheduler)
+        twin = ShadowWorker(self.scheduler, self.sample)
         twin.kv.slots = {block: list(slots) for block, slots in self.kv.slots.items()}
         twin.kv.versions = dict(self.kv.versions)
         twin.models = self.models
@@ -193,7 +273,8 @@ class ShadowWorker:
             request = sched.requests[request_id]
             model = self.models.get(request_id)
             if model is None:
-                model = self.models[request_id] = TokenModel(request.prompt_token_ids)
+                sample = None if self.sample is None else partial(self.sample, request_id)
+                model = self.models[request_id] = TokenModel(request.prompt_token_ids, sample)
             reads.append(
                 ScheduledRead(
                     request_id,
@@ -209,11 +290,14 @@ class ShadowWorker:
         return StepPlan(output, reads, loads, len(self.failure_reports))
 
     def _write_computed(self, read: ScheduledRead, poison: bool) -> None:
-        size = self.block_size
-        for position in range(read.start, read.start + read.num_tokens):
-            fingerprint = read.model.fingerprint(position)
-            self.kv.write(
-                read.block_ids[position // size],
+        size, block_ids, write = self.block_size, read.block_ids, self.kv.write
+        end = read.start + read.num_tokens
+        read.model.fingerprint(end - 1)
+        fingerprints = read.model.fingerprints
+        for position in range(read.start, end):
+            fingerprint = fingerprints[position]
+            write(
+                block_ids[position // size],
                 position % size,
                 poisoned(fingerprint) if poison else fingerprint,
             )
@@ -269,14 +353,13 @@ class ShadowWorker:
             for read in plan.reads:
                 if read.request_id in bad:
                     self._write_computed(read, poison=True)
-        for read in plan.reads:
-            if read.request_id not in known_lost:
-                self.kv.check_reads(step, read, known_failed)
+        if tainted:  # else every read was clean, and nothing was written since
+            for read in plan.reads:
+                if read.request_id not in known_lost:
+                    self.kv.check_reads(step, read, known_failed)
         req_ids = [read.request_id for read in plan.reads]
         sampled = [
-            [next_token(read.model.fingerprint(read.start + read.num_tokens - 1))]
-            if read.samples
-            else []
+            [read.model.token(read.start + read.num_tokens)] if read.samples else []
             for read in plan.reads
         ]
         return ModelRunnerOutput(
@@ -293,20 +376,32 @@ class Driver:
     ``depth=1`` is ``EngineCore.step``; ``depth=2`` is ``step_with_batch_queue`` under
     async scheduling: the next ``schedule()`` runs before the previous step's update.
     Aborts are applied just before an update, where ``EngineCore`` processes them.
+
+    The scheduler's own calls go through :meth:`call_schedule` and :meth:`call_update`
+    only, so a subclass can time (or count) them alone, with the worker and this loop's
+    bookkeeping outside (the benchmarks do).
     """
 
-    def __init__(self, scheduler: Any, depth: int = 1) -> None:
+    def __init__(
+        self, scheduler: Any, depth: int = 1, sample: Callable[[str, int], int] | None = None
+    ) -> None:
         self.scheduler = scheduler
-        self.worker = ShadowWorker(scheduler)
+        self.worker = ShadowWorker(scheduler, sample)
         self.depth = depth
         self.in_flight: deque[StepPlan] = deque()
         self.pending_aborts: list[str] = []
         self.outputs: list[Any] = []
-        # Cache efficiency as vLLM reports it (PrefixCacheStats), summed over the run.
+        # Cache efficiency as vLLM reports it (PrefixCacheStats), summed over the run;
+        # requests resuming after a preemption are counted apart (preempted_*).
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.preempted_hit_tokens = 0
+        self.preempted_query_tokens = 0
         self.scheduled_tokens = 0
         self.preemptions = 0
+        # Digest of every step's shape (tokens scheduled, requests scheduled): equal
+        # digests mean two runs took the same trajectory.
+        self.trajectory = 0
 
     @property
     def kv(self) -> ShadowKV:
@@ -318,17 +413,30 @@ class Driver:
     def abort(self, request_id: str) -> None:
         self.pending_aborts.append(request_id)
 
+    def call_schedule(self) -> Any:
+        """``scheduler.schedule()``, the only place this loop calls it."""
+        return self.scheduler.schedule()
+
+    def call_update(self, output: Any, result: Any) -> Any:
+        """``scheduler.update_from_output()``, the only place this loop calls it."""
+        return self.scheduler.update_from_output(output, result)
+
     def schedule(self) -> Any:
         """Run one ``schedule()`` and queue its step."""
-        output = self.scheduler.schedule()
+        output = self.call_schedule()
         self.in_flight.append(self.worker.plan(output))
         self.outputs.append(output)
         self.scheduled_tokens += output.total_num_scheduled_tokens
         self.preemptions += len(output.preempted_req_ids or ())
+        self.trajectory = hash(
+            (self.trajectory, output.total_num_scheduled_tokens, len(output.num_scheduled_tokens))
+        )
         stats = self.scheduler.kv_cache_manager.make_prefix_cache_stats()
         if stats is not None:
             self.hit_tokens += stats.hits
             self.query_tokens += stats.queries
+            self.preempted_hit_tokens += stats.preempted_hits
+            self.preempted_query_tokens += stats.preempted_queries
         return output
 
     def complete(self) -> Any:
@@ -340,7 +448,7 @@ class Driver:
 
             self.scheduler.finish_requests(self.pending_aborts, RequestStatus.FINISHED_ABORTED)
             self.pending_aborts = []
-        self.scheduler.update_from_output(plan.output, result)
+        self.call_update(plan.output, result)
         return result
 
     def step(self) -> None:

@@ -8,11 +8,11 @@
   what vLLM reports per request (``num_cached_tokens``, less connector tokens). Hits on
   resuming after a preemption are not added, so preemption churn does not inflate it;
 - *invalid hits*: hit tokens whose KV was never written (or holds another prefix) when
-  the first step ran, and *bad admissions*: admissions, resumes included, that read
-  such KV. Stock vLLM's hits include the former, the guard's cannot; each of the latter
-  let stock skip computing tokens the guard computes, which can shift its schedule (and
-  its preemptions) from there on. So the gaps between the two are explained, not
-  just observed;
+  the first step ran (and apart, those of requests resuming after a preemption), and
+  *bad admissions*: admissions, resumes included, that read such KV. Stock vLLM's hits
+  include the former, the guard's cannot; each of the latter let stock skip computing
+  tokens the guard computes, which can shift its schedule (and its preemptions) from
+  there on. So the gaps between the two are explained, not just observed;
 - *discarded reads*: a step that holds a block whose KV load failed (reported by that
   step, or by an earlier one after this step was dispatched) is not checked for the
   requests holding such a block, if they read wrong content. When the failure is
@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class FuzzKV(ShadowKV):
     # their request (their start is its prefix-cache hit).
     admission_reads: dict[int, bool] = field(default_factory=dict)
     invalid_hit_tokens: int = 0
+    invalid_resume_hit_tokens: int = 0
     bad_admissions: int = 0
     discarded_reads: int = 0
 
@@ -69,6 +71,8 @@ class FuzzKV(ShadowKV):
             self.bad_admissions += 1
             if first:
                 self.invalid_hit_tokens += bad
+            else:
+                self.invalid_resume_hit_tokens += bad
         return clean
 
 
@@ -78,8 +82,10 @@ class MeteredDriver(Driver):
     It keeps no output history (``Driver.outputs``), so a soak's memory stays flat.
     """
 
-    def __init__(self, scheduler: Any, depth: int) -> None:
-        super().__init__(scheduler, depth)
+    def __init__(
+        self, scheduler: Any, depth: int, sample: Callable[[str, int], int] | None = None
+    ) -> None:
+        super().__init__(scheduler, depth, sample)
         self.worker.kv = self.fuzz_kv = FuzzKV(self.worker.block_size)
         self.steps = 0
         self.request_hit_tokens = 0

@@ -1,0 +1,155 @@
+"""Instructions per scheduler step under callgrind: what a noisy VM's clock cannot settle.
+
+The same cells, columns and engine loop as ``scheduler_bench.py`` (its :class:`Lane`), but
+instead of timing, valgrind's callgrind counts the instructions executed inside the two
+scheduler calls. Those go through ``operator.call`` (the C function ``_operator_call``),
+which callgrind collects inside (``--toggle-collect``), so the shadow-KV worker and the
+bookkeeping are not counted; instrumentation is switched on only after warm-up.
+
+Deterministic (``PYTHONHASHSEED=0``; repeated runs agree to 0.01%), so it answers whether
+the guard adds 1% or 5% to the scheduler's work. Instructions are not time (cache misses
+are not counted), but the scheduler is interpreter-bound and the two move together.
+
+Two subcommands::
+
+    # every column of the 256-running sync FCFS cell, one callgrind process each
+    python benchmarks/instructions.py measure --out benchmarks/results/instructions.json
+    python benchmarks/instructions.py measure --cells 256-fcfs-pressure-sync --steps 30
+
+    # one column: the process ``measure`` runs under callgrind (prints its trajectory and
+    # ledger as JSON); run it under valgrind yourself to look at the call graph
+    valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no \\
+        --toggle-collect=_operator_call \\
+        python benchmarks/instructions.py count 256-fcfs-nopressure-sync guard
+
+Needs Python 3.11+ (``operator.call``) and valgrind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from scheduler_bench import (
+    COLUMNS,
+    Cell,
+    Lane,
+    frozen_heap,
+    mode_of,
+    parse_cells,
+    parse_columns,
+    write_results,
+)
+
+DEFAULT_CELL = "256-fcfs-nopressure-sync"
+CALLGRIND = [
+    "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+    "--toggle-collect=_operator_call",
+]  # fmt: skip
+
+
+def count(cell: Cell, column: str, warmup: int, steps: int) -> dict[str, Any]:
+    """Warm up uninstrumented, then run ``steps`` iterations with instrumentation on.
+
+    Under callgrind, ``callgrind_control -i`` switches instrumentation for this process;
+    collection itself is toggled by the scheduler calls (see the module docstring).
+    """
+    pid = str(os.getpid())
+    with frozen_heap():
+        lane = Lane(cell, column)
+        for _ in range(warmup):
+            lane.iterate(measured=False)
+        subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+        time.sleep(0.5)  # callgrind polls its command file
+        for _ in range(steps):
+            lane.iterate(measured=True)
+        subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
+        counters = lane.counters()
+    return {"trajectory": counters["trajectory"], "ledger": counters.get("ledger")}
+
+
+def measure(
+    cells: list[Cell], columns: tuple[str, ...], warmup: int, steps: int
+) -> list[dict[str, Any]]:
+    """Instructions per measured step for each cell and column, one callgrind run each."""
+    env = dict(os.environ, PYTHONHASHSEED="0")
+
+    def one(cell: Cell, column: str) -> tuple[int, dict[str, Any]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [
+                *CALLGRIND, f"--callgrind-out-file={tmp}/callgrind.out",
+                sys.executable, __file__, "count", cell.name, column,
+                "--warmup", str(warmup), "--steps", str(steps),
+            ]  # fmt: skip
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if done.returncode != 0 or found is None:
+            raise RuntimeError(f"callgrind run {cell.name}/{column} failed:\n{done.stderr[-2000:]}")
+        return int(found.group(1)), json.loads(done.stdout.strip().splitlines()[-1])
+
+    jobs = [(cell, column) for cell in cells for column in columns]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda job: one(*job), jobs))
+    by_job = dict(zip(jobs, results, strict=True))
+    summaries = []
+    for cell in cells:
+        reference, _ = by_job[(cell, columns[0])]
+        entry: dict[str, Any] = {"cell": cell.name, "warmup": warmup, "steps": steps}
+        for column in columns:
+            instructions, info = by_job[(cell, column)]
+            entry[column] = {
+                "instructions_per_step": instructions // steps,
+                "ratio": round(instructions / reference, 4),
+                "trajectory": info["trajectory"],
+            }
+        summaries.append(entry)
+        line = "  ".join(
+            f"{c}={entry[c]['instructions_per_step'] / 1e6:.2f}M (x{entry[c]['ratio']:.4f})"
+            for c in columns
+        )
+        print(f"  {cell.name} instructions/step: {line}", flush=True)
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("measure", help="every cell x column, one callgrind run each")
+    run.add_argument("--sizes", default="256", help="running requests per cell")
+    run.add_argument("--cells", default=DEFAULT_CELL, help="comma-separated cell names")
+    run.add_argument("--columns", default=",".join(COLUMNS), help="first is the reference")
+    run.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    one = commands.add_parser("count", help="one column, in the process callgrind watches")
+    one.add_argument("cell", help="a cell name, e.g. " + DEFAULT_CELL)
+    one.add_argument("column", help="stock, guard or pr43569 (optionally #suffixed)")
+    for sub in (run, one):
+        sub.add_argument("--warmup", type=int, default=150, help="uninstrumented iterations")
+        sub.add_argument("--steps", type=int, default=15, help="instrumented iterations")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    if args.command == "count":
+        if mode_of(args.column) not in COLUMNS:
+            parser.error(f"column takes {', '.join(COLUMNS)} (optionally with a #suffix)")
+        (cell,) = parse_cells(parser, args.cell.split("-", 1)[0], args.cell)
+        print(json.dumps(count(cell, args.column, args.warmup, args.steps)))
+        return 0
+    columns = parse_columns(parser, args.columns)
+    cells = parse_cells(parser, args.sizes, args.cells)
+    started = time.monotonic()
+    counts = measure(cells, columns, args.warmup, args.steps)
+    write_results(args.out, "scheduler-instructions", columns, started, counts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
