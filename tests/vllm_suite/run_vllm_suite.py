@@ -11,10 +11,11 @@ process at a time:
   as in a user's process (prefix_guard_pytest.py, loaded with ``-p``, in both runs);
 
 offline, against a Hub cache that holds only the ``config.json`` of the models the
-tests name (hub_cache.py). It then compares per-test outcomes and exits non-zero
-unless every test that fails or errors guarded also failed or errored on stock, or is
-listed for this version in ``expected_differences.toml`` (a deliberate difference,
-with its reason and the project test that shows the hazard).
+tests name (hub_cache.py). It then compares per-test outcomes and exits non-zero unless
+every test that passes on stock passes guarded, and every test that fails or errors
+guarded also failed or errored on stock, or is listed for this version in
+``expected_differences.toml`` (a deliberate difference, with its reason and the project
+test that shows the hazard).
 
 Every test is marked with vLLM's own ``skip_global_cleanup`` (no distributed teardown
 and ``gc.collect()`` after each test: these unit tests start no distributed state, and
@@ -163,14 +164,21 @@ def summarize(outcomes: dict[str, str]) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
 
 
+def regressed(before: str, after: str) -> bool:
+    """A guarded outcome worse than stock's: it fails or errors where stock did not, or a
+    test that passed on stock did not pass (skipped, xfailed, or did not run at all)."""
+    return (after in FAILED and before not in FAILED) or (before == "passed" and after != "passed")
+
+
 def compare(stock: dict[str, str], guard: dict[str, str], expected: list[dict]) -> dict:
+    """Guarded outcomes against stock's, test by test (``missing``: not run in that mode)."""
     unexpected, justified, fixed = [], [], []
-    for nodeid, outcome in sorted(guard.items()):
-        before = stock.get(nodeid, "missing")
-        if outcome in FAILED and before not in FAILED:
+    for nodeid in sorted(set(stock) | set(guard)):
+        before, after = stock.get(nodeid, "missing"), guard.get(nodeid, "missing")
+        if regressed(before, after):
             entry = is_expected(nodeid, expected)
-            (justified if entry else unexpected).append((nodeid, before, outcome, entry))
-        elif before in FAILED and outcome == "passed":
+            (justified if entry else unexpected).append((nodeid, before, after, entry))
+        elif before in FAILED and after == "passed":
             fixed.append(nodeid)
     hit = {id(e) for *_, e in justified}
     stale = [e for e in expected if id(e) not in hit]
@@ -200,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         "--version", help="vLLM version of the tests (default: the installed vLLM's)"
     )
     parser.add_argument("--timeout", type=int, default=1800, help="per pytest run, seconds")
+    parser.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="run nothing: compare the reports an earlier run left in --out",
+    )
     args = parser.parse_args(argv)
 
     version = args.version or installed_vllm_version()
@@ -207,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.files:
         selection["files"] = args.files
     expected = load_expected(version)
+    if args.compare_only and not args.out:
+        parser.error("--compare-only needs --out")
     out = (args.out or Path(tempfile.mkdtemp(prefix="vllm-suite-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
     vllm_tests = args.vllm_tests.resolve()
@@ -239,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     walls: dict[str, float] = {}
     exercised: dict[str, int] = {}
     for mode in modes:
-        report, wall, rc = run_pytest(mode, vllm_tests, selection, out, env, args.timeout, extra)
+        if args.compare_only:
+            report = json.loads((out / f"{mode}.json").read_text())
+            wall, rc = 0.0, 0
+        else:
+            report, wall, rc = run_pytest(
+                mode, vllm_tests, selection, out, env, args.timeout, extra
+            )
         outcomes = report.get("outcomes", {})
         print(f"   {mode}: {wall:.0f} s, rc={rc}, {summarize(outcomes) or 'no results'}")
         if not outcomes or rc not in (0, 1) or report.get("guard_state_ok") is False:
@@ -265,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in diff["stale"]:
         print(f"   note: expected difference did not occur: {entry['test']}")
     for nodeid in diff["only_stock"]:
-        print(f"   note: ran on stock only: {nodeid}")
+        print(f"   note: ran on stock only: {nodeid} ({results['stock'][nodeid]})")
     print(
         f"   {len(diff['unexpected'])} unexpected, {len(diff['justified'])} expected "
         f"differences, {len(diff['fixed'])} fixed; the guard was exercised (a ledger "
@@ -282,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "expected": [d[0] for d in diff["justified"]],
         "fixed": diff["fixed"],
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if not args.compare_only:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 1 if diff["unexpected"] else 0
 
 

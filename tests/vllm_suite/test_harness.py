@@ -177,7 +177,20 @@ def test_comparison_accepts_only_stock_failures_and_listed_differences() -> None
     }
     diff = run_vllm_suite.compare(stock, guard, expected)
     assert [u[0] for u in diff["unexpected"]] == ["t.py::skip"]
+    assert diff["fixed"] == [] and diff["only_stock"] == []
     assert [j[0] for j in diff["justified"]] == ["t.py::listed[a]"]
     assert diff["stale"] == []
     clean = run_vllm_suite.compare(stock, stock, expected)
     assert clean["unexpected"] == clean["justified"] == [] and clean["stale"] == expected
+
+
+def test_comparison_rejects_a_pass_that_is_skipped_or_lost_guarded() -> None:
+    stock = {"t.py::a": "passed", "t.py::b": "passed", "t.py::c": "failed", "t.py::d": "skipped"}
+    guard = {"t.py::a": "skipped", "t.py::c": "passed", "t.py::d": "passed", "t.py::e": "error"}
+    diff = run_vllm_suite.compare(stock, guard, [])
+    assert [(u[0], u[1], u[2]) for u in diff["unexpected"]] == [
+        ("t.py::a", "passed", "skipped"),
+        ("t.py::b", "passed", "missing"),
+        ("t.py::e", "missing", "error"),
+    ]
+    assert diff["fixed"] == ["t.py::c"] and diff["only_stock"] == ["t.py::b"]
