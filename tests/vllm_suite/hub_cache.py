@@ -43,6 +43,24 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 50272,
         "word_embed_proj_dim": 768,
     },
+    # test_priority_preemption_bug.py, and test_nixl_connector.py's compatibility hash.
+    "facebook/opt-350m": {
+        "architectures": ["OPTForCausalLM"],
+        "model_type": "opt",
+        "activation_function": "relu",
+        "bos_token_id": 2,
+        "do_layer_norm_before": False,
+        "eos_token_id": 2,
+        "ffn_dim": 4096,
+        "hidden_size": 1024,
+        "max_position_embeddings": 2048,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "pad_token_id": 1,
+        "torch_dtype": "float16",
+        "vocab_size": 50272,
+        "word_embed_proj_dim": 512,
+    },
     # ModelConfig()'s default model (vLLM 0.33): every bare ModelConfig()/VllmConfig().
     "Qwen/Qwen3-0.6B": {
         "architectures": ["Qwen3ForCausalLM"],
