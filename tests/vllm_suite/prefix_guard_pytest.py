@@ -23,6 +23,7 @@ exercised it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -47,17 +48,53 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the guard's mode, patched targets and exercising tests here (JSON)",
     )
     parser.addoption(
-        "--skip-global-cleanup",
+        "--cleanup-without-gc",
         action="store_true",
-        help="mark every test skip_global_cleanup (vLLM's own marker: no distributed "
-        "teardown and gc.collect() after each test; these tests start neither)",
+        help="after each test, run vLLM's cleanup_dist_env_and_memory() without its "
+        "gc.collect() (most of these unit tests' run time)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--skip-global-cleanup"):
+    """With ``--cleanup-without-gc``, vLLM's own teardown is skipped (its
+    ``skip_global_cleanup`` marker) and ``pytest_runtest_teardown`` below runs it instead,
+    without the collection."""
+    if config.getoption("--cleanup-without-gc"):
         for item in items:
             item.add_marker(pytest.mark.skip_global_cleanup)
+
+
+class _NoCollect:
+    """The ``gc`` module, except that ``collect()`` does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(gc, name)
+
+    @staticmethod
+    def collect(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+
+def _cleanup_without_gc() -> None:
+    """vLLM's ``cleanup_dist_env_and_memory()`` (env cache, ``gc.unfreeze()``, model
+    parallel groups, distributed environment, accelerator caches), its collection off."""
+    from vllm.distributed import parallel_state
+
+    module_gc = parallel_state.gc
+    parallel_state.gc = _NoCollect()  # type: ignore[assignment]
+    try:
+        parallel_state.cleanup_dist_env_and_memory()
+    finally:
+        parallel_state.gc = module_gc
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    try:
+        return (yield)
+    finally:
+        if item.config.getoption("--cleanup-without-gc"):
+            _cleanup_without_gc()
 
 
 def _expect_guard() -> bool:

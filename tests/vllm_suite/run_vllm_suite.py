@@ -17,9 +17,9 @@ guarded also failed or errored on stock, or is listed for this version in
 ``expected_differences.toml`` (a deliberate difference, with its reason and the project
 test that shows the hazard).
 
-Every test is marked with vLLM's own ``skip_global_cleanup`` (no distributed teardown
-and ``gc.collect()`` after each test: these unit tests start no distributed state, and
-the collection is most of their run time); ``--global-cleanup`` keeps vLLM's teardown.
+After each test, vLLM's own teardown (``cleanup_dist_env_and_memory()``: model-parallel
+groups, distributed environment, env cache) runs without its ``gc.collect()``, which is
+most of these unit tests' run time; ``--global-cleanup`` keeps the collection too.
 
 Usage (in a venv with the vLLM under test, this project, pytest, pytest-timeout and
 vLLM's test deps; run from anywhere):
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--global-cleanup",
         action="store_true",
-        help="keep vLLM's distributed teardown and gc.collect() after every test (slow)",
+        help="keep the gc.collect() of vLLM's teardown after every test (slow)",
     )
     parser.add_argument(
         "--version", help="vLLM version of the tests (default: the installed vLLM's)"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in absent:
         print(f"   note: not in vLLM {version}'s tests, skipped: {name}")
     selection["files"] = [f for f in selection["files"] if f not in absent]
-    extra = () if args.global_cleanup else ("--skip-global-cleanup",)
+    extra = () if args.global_cleanup else ("--cleanup-without-gc",)
 
     hf_home = Path(tempfile.mkdtemp(prefix="vllm-suite-hf-"))
     hub = write_hub_cache(hf_home)
