@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="logs, junit XML and reports (default: temp)")
     parser.add_argument("--mode", choices=("both", "stock", "guard"), default="both")
     parser.add_argument("--selection", default="full", help="a table of selection.toml")
-    parser.add_argument("--files", nargs="+", help="run these files instead (sdist-relative)")
+    parser.add_argument(
+        "--files", nargs="+", help="run these files or node ids instead (sdist-relative)"
+    )
     parser.add_argument(
         "--global-cleanup",
         action="store_true",
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_tests = args.vllm_tests.resolve()
     if not (vllm_tests / "tests" / "__init__.py").exists():
         raise SystemExit(f"{vllm_tests} holds no vLLM tests/ (run scripts/fetch_vllm_tests.py)")
-    absent = [f for f in selection["files"] if not (vllm_tests / f).is_file()]
+    absent = [f for f in selection["files"] if not (vllm_tests / f.split("::")[0]).is_file()]
     for name in absent:
         print(f"   note: not in vLLM {version}'s tests, skipped: {name}")
     selection["files"] = [f for f in selection["files"] if f not in absent]
