@@ -131,15 +131,26 @@ def test_fetcher_is_idempotent_offline(tmp_path: Path) -> None:
 def test_fetcher_index_order_follows_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     fetcher = load_fetcher()
     monkeypatch.setattr(fetcher, "pip_config", lambda: {"global.extra-index-url": "file:///b"})
+    # pip's built-in default is read from pip's internals: not imported into this process
+    # (pip imports distutils, which breaks setuptools' import in later tests).
+    monkeypatch.setattr(fetcher, "_pip_default_index", lambda: "file:///default")
     monkeypatch.setenv("PIP_INDEX_URL", "file:///a")
     monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
     assert [u for u, _ in fetcher.index_urls()] == ["file:///a", "file:///b"]
     monkeypatch.delenv("PIP_INDEX_URL")
-    default = fetcher._pip_default_index()
-    assert default.startswith("https://") and [u for u, _ in fetcher.index_urls()] == [
-        default,
-        "file:///b",
-    ]
+    assert [u for u, _ in fetcher.index_urls()] == ["file:///default", "file:///b"]
+
+
+def test_fetcher_reads_pips_default_index() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # no index-url from any configuration file
+    script = str(ROOT / "scripts" / "fetch_vllm_tests.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--list-indexes"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    url, _, why = proc.stdout.splitlines()[0].partition("\t")
+    assert url.startswith("https://") and why == "pip's built-in default"
 
 
 def test_hub_cache_resolves_offline(tmp_path: Path) -> None:
