@@ -272,7 +272,7 @@ for _version in VLLM_SUITE_ON:
 def vllm_suite_ci(session: nox.Session) -> None:
     """The fast representative of vllm-suite-0.33 (selection ``ci``: KV-load failures,
     invalid blocks, prefix caching and replay, remote prefill/decode, the offloading
-    connector's scheduler side); about 3.5 minutes on 2 busy cores."""
+    connector's scheduler side); 3.5-4.5 minutes on 2 busy cores."""
     _vllm_suite(session, "0.33.0", "ci")
 
 
