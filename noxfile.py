@@ -1,6 +1,7 @@
-"""Sessions: lint and packaging, the suite on every tested vLLM, the engine end to end, and
-the slow proofs (soak, benchmarks, the release table, vLLM's own unit tests with the
-guard: vllm-suite-*) outside the default set.
+"""Sessions: lint and packaging, the suite on every tested vLLM, the engine end to end, a
+fast part of vLLM's own unit tests with the guard (vllm-suite-ci), and the slow proofs
+(soak, benchmarks, the release table, the whole of vLLM's unit tests: vllm-suite-0.32/0.33)
+outside the default set.
 
 ``nox`` (what CI runs) takes the default sessions. Each vLLM release lives in one venv,
 ``.nox/vllm-<version>``, shared by every session that needs it (installing a vLLM is the
@@ -268,7 +269,7 @@ for _version in VLLM_SUITE_ON:
         _vllm_suite(session, version, "full")
 
 
-@nox.session(name="vllm-suite-ci", python=False, default=False)
+@nox.session(name="vllm-suite-ci", python=False)
 def vllm_suite_ci(session: nox.Session) -> None:
     """The fast representative of vllm-suite-0.33 (selection ``ci``: KV-load failures,
     invalid blocks, prefix caching and replay, remote prefill/decode, the offloading
