@@ -34,7 +34,7 @@ plus, on a KV-load failure only, O(blocks the in-flight steps' admissions hit).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -92,6 +92,11 @@ class SchedulerView(Protocol):
 
     def holds(self, request_id: str, block_id: int) -> bool:
         """Whether a request still runs holding a block (taken after any reuse of it)."""
+        ...
+
+    def starts(self, output: object) -> Mapping[str, int]:
+        """Request id -> the first token the step of ``output`` computes for it, for
+        every request it schedules."""
         ...
 
     def block_size_of(self, key: Any) -> int:
@@ -412,6 +417,9 @@ class StepLedger:
         loaders = self._undo_loaders(steps[0][1], invalid, bad, result, scheduler)
         # Request -> whether its computation in the step being walked reads bad KV.
         tainted = dict.fromkeys(loaders, True)
+        # Reader -> the bucket of its admission, where the entries it had loaded or
+        # written before reading bad KV were kept.
+        kept: dict[str, StepBucket] = {}
         for index, (step_output, bucket) in enumerate(steps):
             admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
             if scheduler is not None:
@@ -419,6 +427,9 @@ class StepLedger:
                     if index or request_id not in loaders:
                         admitted[request_id] = (block_ids, num_computed)
                         tainted.pop(request_id, None)  # admitted afresh: judged below
+                        kept.pop(request_id, None)
+                if index and kept:
+                    self._undo_rewritten(kept, scheduler.starts(step_output), bad)
             if index:
                 # Tainted since an earlier step: all of it was computed over bad KV.
                 for owner in list(bucket.by_request):
@@ -453,6 +464,7 @@ class StepLedger:
                     bucket.keep(request_id, [e for e in entries if written_below(e, num_computed)])
                     computed = [e for e in entries if not written_below(e, num_computed)]
                     self._undo_bad(computed, bad, READER, request_id)
+                    kept[request_id] = bucket
                     changed = True
         readers = {r for r, t in tainted.items() if t and r not in loaders}
         if self.observer is not None:
@@ -460,6 +472,22 @@ class StepLedger:
         result.readers = readers
         result.bad_blocks = bad
         return result
+
+    def _undo_rewritten(
+        self, kept: dict[str, StepBucket], starts: Mapping[str, int], bad: dict[int, bool]
+    ) -> None:
+        """A reader that a later step in flight computes from a lower token than it was
+        admitted with (vLLM rewound it: a failed load it was blamed for, by block id, on
+        a block it had loaded since) rewrites, over bad KV, blocks whose entries were kept
+        as loaded: those go too."""
+        for request_id, bucket in kept.items():
+            start = starts.get(request_id)
+            if start is None:
+                continue
+            entries = bucket.pop_request(request_id)
+            bucket.keep(request_id, [e for e in entries if written_below(e, start)])
+            rewritten = [e for e in entries if not written_below(e, start)]
+            self._undo_bad(rewritten, bad, READER, request_id)
 
     def _undo_loaders(
         self,

@@ -126,6 +126,12 @@ class LiveScheduler:
     def admissions(self, output: object) -> list[Admission]:
         return admissions_of(output)
 
+    def starts(self, output: Any) -> dict[str, int]:
+        starts = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return starts
+
     def holds(self, request_id: str, block_id: int) -> bool:
         if request_id not in self._running:
             return False

@@ -3,8 +3,9 @@
 :class:`RollbackAudit` observes one guarded fuzz run's ledger (its public
 :class:`~vllm_prefix_guard.ledger.LedgerObserver` hook) and shadow-KV worker. Every entry
 the ledger undoes is classified against the shadow KV *as it stands once the dispatched
-steps ran*: at the end of the step that registered it (the step that writes the block;
-a dispatched step is never cancelled), or right away if that step already ran.
+steps ran*: at the end of the latest step dispatched when it was undone (a dispatched step
+is never cancelled, and a later one may rewrite the block), or right away if that step
+already ran; an entry a preemption takes out of the open step, at the end of that step.
 
 - ``valid``: the block holds exactly the KV the key names: the rollback dropped good KV;
 - ``never_written`` / ``wrong`` / ``failed_load``: a slot is empty, holds another prefix
@@ -164,12 +165,16 @@ class RollbackAudit:
                 request_id, entry, self.step if cause == PREEMPTED else self.step - 1
             )
             self._regs.pop((id(key), block.block_id), None)
+            # Judged as the block will stand once every dispatched step ran: a later step
+            # in flight may rewrite it (a request vLLM rewound recomputes into blocks it
+            # had loaded), and a hit after this undo would read that.
+            judged_at = reg.step if cause == PREEMPTED else max(reg.step, self.step - 1)
             if not (block.block_hash is key or index.contain(key, block.block_id)):
                 self.counts.add(cause, STALE, reg)
-            elif reg.step in self._executed:
+            elif judged_at in self._executed:
                 self.counts.add(cause, self.verdict(reg), reg)
             else:
-                self._pending.setdefault(reg.step, []).append((cause, reg))
+                self._pending.setdefault(judged_at, []).append((cause, reg))
         return entries
 
     def preempting_readers(self, readers: set[str]) -> set[str]:

@@ -1,0 +1,36 @@
+"""Seeds the soak (``nox -s soak-*``) found failing, replayed at the soak's horizon.
+
+``everything-async`` seed 17 (vLLM 0.32, found 2026-12-01): a request loads blocks
+(sync, valid) in step N while a failed load of step N-1 is reported on a block id it was
+given since; vLLM blames it by block id and rewinds it below its loaded blocks, and a
+later failed load it had hit makes it a reader of bad KV. It then recomputes, over bad
+KV, a block whose entry the guard had kept as loaded: the entry stayed hashed on
+poisoned KV and the request read it on resuming (1267 bad reads). The rollback now drops
+a reader's kept entries that a later step in flight recomputes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+
+#: (configuration, seed): what the soak found; the soak's horizon is 5x the CI one.
+FOUND_BY_SOAK = [("everything-async", 17)]
+SOAK_HORIZON_FACTOR = 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "seed"), FOUND_BY_SOAK)
+def test_soak_finding_stays_fixed(name: str, seed: int) -> None:
+    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+
+    quiet_vllm()
+    config = CONFIGS[name]
+    workload = config.workload(seed, config.horizon * SOAK_HORIZON_FACTOR)
+    guard = run_workload(workload, "guard", audit=True)
+    assert guard.violations == 0, guard.examples[:5]
+    assert guard.audit is not None
+    assert guard.audit.invalid_committed == 0, guard.audit.examples
+    assert guard.audit.valid_rolled_back == 0, guard.audit.examples
