@@ -76,7 +76,7 @@ def test_fetcher_reads_a_file_index_verifies_and_extracts_tests_only(tmp_path: P
     run = [sys.executable, script, "9.9.9", str(dest), "--sha256", digest]
     proc = subprocess.run(run, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert "PEP 503 HTML (file index)" in proc.stderr
+    assert "PEP 503 HTML (file index" in proc.stderr
     assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
         ".sdist-sha256",
         "pyproject.toml",
@@ -130,10 +130,11 @@ def test_fetcher_is_idempotent_offline(tmp_path: Path) -> None:
 
 def test_fetcher_index_order_follows_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     fetcher = load_fetcher()
-    monkeypatch.setattr(fetcher, "pip_config", lambda: {"global.extra-index-url": "file:///b"})
+    index = sys.modules["package_index"]  # what the fetcher looks indexes up with
+    monkeypatch.setattr(index, "pip_config", lambda: {"global.extra-index-url": "file:///b"})
     # pip's built-in default is read from pip's internals: not imported into this process
     # (pip imports distutils, which breaks setuptools' import in later tests).
-    monkeypatch.setattr(fetcher, "_pip_default_index", lambda: "file:///default")
+    monkeypatch.setattr(index, "_pip_default_index", lambda: "file:///default")
     monkeypatch.setenv("PIP_INDEX_URL", "file:///a")
     monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
     assert [u for u, _ in fetcher.index_urls()] == ["file:///a", "file:///b"]
