@@ -460,10 +460,7 @@ class StepLedger:
                     tainted[request_id] = True
                     # What it loaded or had written before this step does not depend on
                     # what it reads here; what it computes here does.
-                    entries = bucket.pop_request(request_id)
-                    bucket.keep(request_id, [e for e in entries if written_below(e, num_computed)])
-                    computed = [e for e in entries if not written_below(e, num_computed)]
-                    self._undo_bad(computed, bad, READER, request_id)
+                    self._undo_computed_from(bucket, request_id, num_computed, bad)
                     kept[request_id] = bucket
                     changed = True
         readers = {r for r, t in tainted.items() if t and r not in loaders}
@@ -482,12 +479,17 @@ class StepLedger:
         as loaded: those go too."""
         for request_id, bucket in kept.items():
             start = starts.get(request_id)
-            if start is None:
-                continue
-            entries = bucket.pop_request(request_id)
-            bucket.keep(request_id, [e for e in entries if written_below(e, start)])
-            rewritten = [e for e in entries if not written_below(e, start)]
-            self._undo_bad(rewritten, bad, READER, request_id)
+            if start is not None:
+                self._undo_computed_from(bucket, request_id, start, bad)
+
+    def _undo_computed_from(
+        self, bucket: StepBucket, request_id: str, start: int, bad: dict[int, bool]
+    ) -> None:
+        """Undo a reader's entries in ``bucket`` that reach past token ``start`` (computed
+        from there, over bad KV); keep those written below it."""
+        entries = bucket.pop_request(request_id)
+        bucket.keep(request_id, [e for e in entries if written_below(e, start)])
+        self._undo_bad([e for e in entries if not written_below(e, start)], bad, READER, request_id)
 
     def _undo_loaders(
         self,
