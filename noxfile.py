@@ -228,8 +228,9 @@ VLLM_SUITE_ON = ("0.32.0", "0.33.0")
 VLLM_SUITE_DEPS = {"full": ("tblib", "ray"), "ci": ("tblib",)}
 
 
-def _vllm_suite(session: nox.Session, version: str, selection: str) -> None:
-    venv = vllm_venv(session, version)
+def with_vllm_tests(session: nox.Session, venv: Path, version: str, selection: str) -> Path:
+    """vLLM's ``tests/`` of ``version`` (from its sdist, idempotent) and what the tests of
+    ``selection`` import beyond this project's [test] extra; returns the tests' root."""
     python = str(venv / "bin" / "python")
     pip = (python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check")
     session.run(*pip, *VLLM_SUITE_DEPS[selection], external=True)
@@ -244,6 +245,12 @@ def _vllm_suite(session: nox.Session, version: str, selection: str) -> None:
         str(VLLM_SDISTS),
         external=True,
     )
+    return tests
+
+
+def _vllm_suite(session: nox.Session, version: str, selection: str) -> None:
+    venv = vllm_venv(session, version)
+    tests = with_vllm_tests(session, venv, version, selection)
     run_in(
         session,
         venv,
@@ -275,6 +282,47 @@ def vllm_suite_ci(session: nox.Session) -> None:
     invalid blocks, prefix caching and replay, remote prefill/decode, the offloading
     connector's scheduler side); 3.5-4.5 minutes on 2 busy cores."""
     _vllm_suite(session, "0.33.0", "ci")
+
+
+#: Where the upstream patch's proof keeps its trees, logs and reports.
+UPSTREAM_WORK = ROOT / ".nox" / "upstream"
+
+
+def _upstream(session: nox.Session, checks: str) -> None:
+    venv = vllm_venv(session, "0.33.0")
+    tests = with_vllm_tests(session, venv, "0.33.0", "ci")
+    run_in(
+        session,
+        venv,
+        "python",
+        str(ROOT / "upstream" / "check.py"),
+        "--vllm-tests",
+        str(tests),
+        "--work",
+        str(UPSTREAM_WORK),
+        "--out",
+        str(ROOT / "upstream" / "results.json"),
+        "--only",
+        checks,
+        *session.posargs,
+    )
+    session.run("python3", str(ROOT / "upstream" / "report.py"), external=True)
+
+
+@nox.session(python=False)
+def upstream(session: nox.Session) -> None:
+    """The upstream patch (upstream/*.patch) on vLLM 0.33.0: its tests pass patched and fail
+    unpatched, the patch alone reads no bad KV (regression tests, fuzzer) with the guard's
+    hits and preemptions, vLLM's own tests (selection ci) still pass, the guard steps
+    aside; rewrites upstream/results.json and upstream/README.md."""
+    _upstream(session, "a,b,c,d")
+
+
+@nox.session(name="upstream-bench", python=False, default=False)
+def upstream_bench(session: nox.Session) -> None:
+    """The upstream patch's step cost: instructions per step at 256 running (callgrind;
+    about 15 minutes on two cores), into upstream/results.json and its README."""
+    _upstream(session, "e")
 
 
 @nox.session(python=False, default=False)

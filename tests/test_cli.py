@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from native_fix import simulate_native_fix
 from vllm_prefix_guard import __version__, plugin
 from vllm_prefix_guard.cli import main
 
@@ -66,17 +67,14 @@ def test_version_and_plain_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_doctor_reports_which_upstream_fix_it_found(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
     _, checks = doctor_json(capsys)
     assert checks["upstream fix"]["detail"] == "none in this vLLM: the guard patches it"
-    monkeypatch.setattr(KVCacheManager, "rollback_uncommitted", lambda s, r: 0, raising=False)
+    simulate_native_fix(monkeypatch, remove_entry=None)
     status, checks = doctor_json(capsys)
     assert status == 1
     assert checks["upstream fix"]["status"] == "FAIL"
-    assert "no KVCacheManager.begin_step" in checks["upstream fix"]["detail"]
-    for name in ("begin_step", "commit_step"):
-        monkeypatch.setattr(KVCacheManager, name, lambda s: None, raising=False)
+    assert "no BlockPool.remove_uncommitted_entry" in checks["upstream fix"]["detail"]
+    simulate_native_fix(monkeypatch)
     status, checks = doctor_json(capsys)
     assert checks["upstream fix"]["status"] == "info"
     assert checks["upstream fix"]["detail"].endswith("the guard stays out")

@@ -71,6 +71,8 @@ def test_failed_load_is_rolled_back_in_the_full_attention_group(mode: str) -> No
         assert "reader" in {v.request_id for v in driver.kv.violations}
         return
     assert driver.violations == 0
+    if mode == "native":
+        return  # vLLM's own fix keeps no ledger: the oracle is the judge
     ledger = ledger_of(scheduler)
     assert ledger is not None and ledger.is_idle
     assert ledger.stats.rolled_back_kv_load_failure > 0

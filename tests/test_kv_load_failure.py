@@ -54,6 +54,8 @@ def test_failed_load_is_never_hit(mode: str, policy: str, aborted: bool, stock_f
             assert {v.request_id for v in driver.kv.violations} == {"s"}
         return
     assert driver.violations == 0
+    if mode == "native":
+        return  # vLLM's own fix keeps no ledger: the oracle is the judge
     ledger = ledger_of(driver.scheduler)
     assert ledger is not None and ledger.is_idle
     assert ledger.stats.rolled_back_kv_load_failure >= 3  # the three loaded blocks at least
@@ -99,6 +101,8 @@ def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
         assert {v.request_id for v in driver.kv.violations} == {"s"}
         return
     assert driver.violations == 0
+    if mode == "native":
+        return  # vLLM's own fix keeps no ledger: the oracle is the judge
     ledger = ledger_of(scheduler)
     # The three loaded blocks and every block computed on top of them.
     assert ledger is not None
@@ -143,7 +147,8 @@ def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
             Reset(13),
         ),
     )
-    result = run_workload(workload, mode)
+    # vLLM's own fix is its "stock" (the guard steps aside).
+    result = run_workload(workload, "stock" if mode == "native" else mode)
     if mode == "stock":
         if not result.wrong_content:
             pytest.skip("this shrunk schedule reaches the window on vLLM 0.32's scheduler only")
@@ -258,6 +263,8 @@ def test_sharer_of_a_failed_sync_load(mode: str, continuation: str) -> None:
         assert driver.kv.counts[NEVER_WRITTEN] > 0
         return
     assert driver.violations == 0
+    if mode == "native":
+        return  # vLLM's own fix keeps no ledger: the oracle is the judge
     ledger = ledger_of(scheduler)
     assert ledger is not None and ledger.is_idle
     assert ledger.stats.dependents_preempted == 1

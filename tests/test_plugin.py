@@ -11,8 +11,10 @@ import pytest
 import vllm
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from native_fix import METHODS, simulate_native_fix, simulate_pr43569
 from vllm_prefix_guard import __version__, plugin, targets
 from vllm_prefix_guard.diagnostics.factory import make_scheduler
 from vllm_prefix_guard.errors import GuardConfigError, GuardUnsupportedError
@@ -158,64 +160,55 @@ def test_changed_signature_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
 
 
-def _native_fix(monkeypatch: pytest.MonkeyPatch, **methods: Any) -> None:
-    """Give vLLM's KV cache manager the named methods (upstream PR #43569's API)."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    for name, method in methods.items():
-        monkeypatch.setattr(KVCacheManager, name, method, raising=False)
-
-
-NATIVE_FIX = {
-    "begin_step": lambda self: None,
-    "commit_step": lambda self: None,
-    "rollback_uncommitted": lambda self, req_id: None,
-}
-
-
 def test_upstream_fix_present_skips_the_guard(
     monkeypatch: pytest.MonkeyPatch, guard_log: list[str]
 ) -> None:
-    _native_fix(monkeypatch, **NATIVE_FIX)
+    simulate_native_fix(monkeypatch)
     assert plugin.apply() == []
     assert not plugin.is_applied()
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
-    assert any("already ships its own fix" in line for line in guard_log)
-    assert "KVCacheManager.rollback_uncommitted" in targets.upstream_fix()  # type: ignore[operator]
+    assert sum("already ships its own fix" in line for line in guard_log) == 1
+    assert "UncommittedPrefixCache.rollback_failed_loads" in targets.upstream_fix()  # type: ignore[operator]
 
 
-HALF_SIMILAR = {
-    "rollback only": {"rollback_uncommitted": NATIVE_FIX["rollback_uncommitted"]},
+HALF_SIMILAR: dict[str, dict[str, Any]] = {
+    "rollback only": {"methods": {"rollback_preempted": METHODS["rollback_preempted"]}},
     "other parameters": {
-        **NATIVE_FIX,
-        "rollback_uncommitted": lambda self, req_id, num_tokens: None,
+        "methods": {**METHODS, "rollback_preempted": lambda self, request_id: None}
     },
-    "not a method": {**NATIVE_FIX, "commit_step": None},
+    "not a method": {"methods": {**METHODS, "commit_step": None}},
+    "no exact removal on the pool": {"remove_entry": None},
+    "not wired into the scheduler": {"wired": False},
 }
 
 
-@pytest.mark.parametrize("methods", HALF_SIMILAR.values(), ids=HALF_SIMILAR.keys())
+@pytest.mark.parametrize("shape", HALF_SIMILAR.values(), ids=HALF_SIMILAR.keys())
 def test_half_similar_upstream_change_is_not_mistaken_for_the_fix(
-    monkeypatch: pytest.MonkeyPatch, methods: dict[str, Any]
+    monkeypatch: pytest.MonkeyPatch, shape: dict[str, Any]
 ) -> None:
     """A vLLM with part of the native fix's API, or its names in another shape: the guard
     neither steps aside (nothing would fix the bug) nor patches beside it (two mechanisms
     over one index); it refuses to start, naming what it found."""
-    _native_fix(monkeypatch, **methods)
+    simulate_native_fix(monkeypatch, **shape)
     assert targets.upstream_fix() is None
     assert targets.native_fix().partial
-    with pytest.raises(GuardUnsupportedError, match=r"rollback_uncommitted.*VLLM_PREFIX_GUARD=0"):
+    with pytest.raises(GuardUnsupportedError, match=r"UncommittedPrefixCache.*VLLM_PREFIX_GUARD=0"):
         plugin.apply()
     assert not plugin.is_applied()
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
 
 
-def test_a_fix_on_the_pool_alone_is_half_similar(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The PR's first revision kept ``rollback_uncommitted`` on the pool."""
-    monkeypatch.setattr(BlockPool, "rollback_uncommitted", lambda self, req_id: 0, raising=False)
-    assert targets.native_fix().partial
-    with pytest.raises(GuardUnsupportedError, match=r"BlockPool\.rollback_uncommitted"):
+@pytest.mark.parametrize("owner", [KVCacheManager, BlockPool], ids=lambda c: c.__name__)
+def test_pr43569s_shape_is_refused(monkeypatch: pytest.MonkeyPatch, owner: type) -> None:
+    """Upstream PR #43569's API (on the manager; on the pool in its first revision) is
+    another fix with known gaps: the guard neither steps aside for it nor runs beside it."""
+    simulate_pr43569(monkeypatch, owner, "rollback_uncommitted")
+    fix = targets.native_fix()
+    assert fix.partial and f"{owner.__name__}.rollback_uncommitted" in fix.present
+    with pytest.raises(GuardUnsupportedError, match=rf"{owner.__name__}\.rollback_uncommitted"):
         plugin.apply()
+    simulate_native_fix(monkeypatch)  # both shapes at once: still refused
+    assert targets.native_fix().partial
 
 
 def test_stock_vllm_has_none_of_the_native_fix() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from native_fix import INSTALLED as NATIVE_FIX
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.selftest import zombie_layout
 from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
@@ -39,6 +40,8 @@ def test_preempted_scheduled_request_leaves_no_zombie(mode: str, layout: dict[st
         assert "C" in readers
         return
     assert driver.violations == 0
+    if mode == "native":
+        return  # vLLM's own fix keeps no ledger: the oracle is the judge
     ledger = ledger_of(driver.scheduler)
     assert ledger is not None
     assert ledger.stats.rolled_back_preempted > 0
@@ -131,8 +134,9 @@ def test_async_victims_with_steps_in_flight_keep_their_entries() -> None:
         for earlier, later in pairwise(outputs)
         for victim in later.preempted_req_ids or ()
     )
-    ledger = ledger_of(driver.scheduler)
-    assert ledger is not None and ledger.stats.rolled_back == 0 and ledger.is_idle
+    if not NATIVE_FIX:
+        ledger = ledger_of(driver.scheduler)
+        assert ledger is not None and ledger.stats.rolled_back == 0 and ledger.is_idle
 
 
 def test_preempted_victim_keeps_a_block_registered_one_step_late(guard: None) -> None:
@@ -165,9 +169,11 @@ def test_preempted_victim_keeps_a_block_registered_one_step_late(guard: None) ->
             Arrive(17, "r7", prompt=((1000, 103), (11000, 8)), max_tokens=6),
         ),
     )
-    result = run_workload(workload, "guard", audit=True)
+    result = run_workload(workload, "guard", audit=not NATIVE_FIX)
     assert result.violations == 0
-    assert result.audit is not None
     assert result.preemptions > 0
+    if NATIVE_FIX:
+        return  # the audit reads the guard's ledger; vLLM's own fix keeps none
+    assert result.audit is not None
     assert result.audit.valid_rolled_back == 0, result.audit.examples
     assert result.audit.invalid_committed == 0, result.audit.examples

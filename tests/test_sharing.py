@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from native_fix import guard_only
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
@@ -49,6 +50,11 @@ def test_parallel_sampling_children_share_the_prompt() -> None:
     assert guarded[1] == stock[1] == 0
 
 
+#: vLLM's own fix (upstream/README.md) relies on what vLLM's scheduler guarantees: no
+#: lookup runs after a preemption in the same ``schedule()``.
+LATE_PREEMPTION = guard_only("it relies on vLLM's scheduler never preempting after a lookup")
+
+
 def preempt_writer_after_waiting_loop(scheduler: Any, writer: str) -> None:
     """Make this scheduler withdraw and preempt ``writer`` at the end of ``schedule()``,
     after a reader hit its fresh blocks: what a scheduler that preempts late would do."""
@@ -66,6 +72,7 @@ def preempt_writer_after_waiting_loop(scheduler: Any, writer: str) -> None:
     scheduler._update_after_schedule = _update_after_schedule
 
 
+@LATE_PREEMPTION
 def test_same_step_dependent_of_rollback_recomputes(mode: str) -> None:
     scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=1024)
     driver = Driver(scheduler)
@@ -85,6 +92,7 @@ def test_same_step_dependent_of_rollback_recomputes(mode: str) -> None:
     assert scheduler.requests == {}  # both finished after recomputing
 
 
+@LATE_PREEMPTION
 def test_a_dependent_of_a_dependent_is_withdrawn_in_the_same_step(mode: str) -> None:
     """Withdrawing a dependent rolls back its own fresh blocks, which a third request in
     the same step may have hit: it is withdrawn too, in that step, and no contested block

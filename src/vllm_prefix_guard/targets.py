@@ -204,25 +204,39 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
 #: The one list: everything :func:`check_all` verifies before the first patch.
 INTERNALS: tuple[Internal, ...] = SCHEDULER_HOOKS + POOL_INTERNALS + RARE_PATH_INTERNALS
 
-#: Names whose presence means vLLM ships its own commit fence (upstream PR #43569).
-#: vLLM's own fix for eager registration, in the shape upstream PR #43569 gives it: the
-#: scheduler opens a step (``begin_step``) and commits the oldest one (``commit_step``) on the
-#: KV cache manager, and rolls back one request's uncommitted registrations
-#: (``rollback_uncommitted(req_id)``) when it preempts it. ``(owner, method, parameters
-#: besides self)``. The guard steps aside only when all of it is there in this shape.
-NATIVE_FIX = (
-    ("KVCacheManager", "begin_step", 0),
-    ("KVCacheManager", "commit_step", 0),
-    ("KVCacheManager", "rollback_uncommitted", 1),
+#: The module vLLM's own fix adds (upstream/prefix-cache-commit.patch).
+UNCOMMITTED = "vllm.v1.core.sched.uncommitted"
+#: vLLM's own fix, in the shape upstream/prefix-cache-commit.patch gives it (the patch is
+#: the reference: tests/test_upstream_patch.py applies it and reads these names back):
+#: the scheduler keeps an ``UncommittedPrefixCache`` whose steps it begins, ends, commits
+#: and rolls back, and the pool removes one uncommitted entry exactly. ``(owner, name,
+#: parameters besides self)``; ``None``: an attribute the owner's constructor sets. The
+#: guard steps aside only when all of it is there in this shape.
+NATIVE_FIX: tuple[tuple[str, str, int | None], ...] = (
+    ("Scheduler", "uncommitted_prefix_cache", None),
+    ("UncommittedPrefixCache", "begin_step", 0),
+    ("UncommittedPrefixCache", "end_step", 1),
+    ("UncommittedPrefixCache", "commit_step", 1),
+    ("UncommittedPrefixCache", "rollback_preempted", 2),
+    ("UncommittedPrefixCache", "rollback_failed_loads", 3),
+    ("BlockPool", "remove_uncommitted_entry", 1),
 )
-#: Where a name of the native fix may appear (the PR's first revision had the rollback on
-#: the pool): any of them present makes an incomplete shape a refusal, not a silent skip.
-NATIVE_FIX_MODULES = {"KVCacheManager": MANAGER, "BlockPool": BLOCK_POOL}
-NATIVE_FIX_MARKERS = (
-    *((owner, name) for owner, name, _ in NATIVE_FIX),
-    ("BlockPool", "begin_step"),
-    ("BlockPool", "commit_step"),
-    ("BlockPool", "rollback_uncommitted"),
+#: Where each owner lives.
+NATIVE_FIX_MODULES = {
+    "Scheduler": SCHEDULER,
+    "UncommittedPrefixCache": UNCOMMITTED,
+    "BlockPool": BLOCK_POOL,
+    "KVCacheManager": MANAGER,
+}
+#: Names of another shape of the same fix: upstream PR #43569's API (``begin_step``,
+#: ``commit_step``, ``rollback_uncommitted(req_id)`` on the KV cache manager; on the pool
+#: in its first revision), which rolls back dispatched steps and leaves failed loads'
+#: readers. Any of these present makes the guard refuse to start rather than run beside
+#: a second mechanism over one index (or step aside for a fix with known gaps).
+OTHER_SHAPES = tuple(
+    (owner, name)
+    for owner in ("KVCacheManager", "BlockPool")
+    for name in ("begin_step", "commit_step", "rollback_uncommitted")
 )
 
 
@@ -230,9 +244,10 @@ NATIVE_FIX_MARKERS = (
 class NativeFix:
     """What the installed vLLM has of its own fix (:data:`NATIVE_FIX`)."""
 
-    #: Qualified names of the native fix's methods that are present, in any shape.
+    #: Qualified names of the native fix (or of another shape of it) that are present.
     present: tuple[str, ...]
-    #: Why the shape is not the native fix's: a method missing, or taking other parameters.
+    #: Why the shape is not the native fix's: a name missing, taking other parameters,
+    #: or one of another shape.
     problems: tuple[str, ...]
 
     @property
@@ -267,28 +282,43 @@ def _positional_parameters(fn: Any) -> int | None:
     return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in parameters)
 
 
+def _native_owner(owner: str) -> type | None:
+    try:
+        cls = resolve(NATIVE_FIX_MODULES[owner], owner)
+    except (ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) else None
+
+
 def native_fix() -> NativeFix:
     """Check the installed vLLM for its own fix, by the shape of :data:`NATIVE_FIX`."""
     present: list[str] = []
-    for owner, name in NATIVE_FIX_MARKERS:
-        try:
-            cls = resolve(NATIVE_FIX_MODULES[owner], owner)
-        except (ImportError, AttributeError):
-            continue
-        if inspect.getattr_static(cls, name, None) is not None:
-            present.append(f"{owner}.{name}")
-    problems = []
+    problems: list[str] = []
     for owner, name, arity in NATIVE_FIX:
         qualname = f"{owner}.{name}"
-        if qualname not in present:
+        cls = _native_owner(owner)
+        if arity is None:
+            if cls is not None and has_instance_attribute(cls, name):
+                present.append(qualname)
+            else:
+                problems.append(f"no {qualname}")
+            continue
+        fn = inspect.getattr_static(cls, name, None) if cls is not None else None
+        if fn is None:
             problems.append(f"no {qualname}")
             continue
-        fn = inspect.getattr_static(resolve(NATIVE_FIX_MODULES[owner], owner), name)
-        taken = _positional_parameters(fn) if callable(fn) else None
-        if taken != arity:
+        present.append(qualname)
+        if not callable(fn) or _positional_parameters(fn) != arity:
             problems.append(
                 f"{qualname} is not a method taking {arity} argument{'s' * (arity != 1)}"
             )
+    for owner, name in OTHER_SHAPES:
+        cls = _native_owner(owner)
+        if cls is not None and inspect.getattr_static(cls, name, None) is not None:
+            present.append(f"{owner}.{name}")
+            problems.append(f"{owner}.{name} is upstream PR #43569's shape")
+    if not present:
+        return NativeFix((), ())
     return NativeFix(tuple(present), tuple(problems))
 
 
