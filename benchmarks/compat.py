@@ -46,6 +46,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Standard library only, but for the project's own (stdlib-only) record helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from vllm_prefix_guard.diagnostics.records import portable_command, portable_path
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -497,7 +501,7 @@ def run_release(minor: str, version: str | None, wheel: Path, args: argparse.Nam
             args.log_dir.mkdir(parents=True, exist_ok=True)
             kept = args.log_dir / f"compat-{version}.log"
             kept.write_text(redact(log.read_text(errors="replace")))
-            entry["log"] = str(kept)
+            entry["log"] = portable_path(kept)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -781,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     minors = wanted_minors(args.releases)
     plan = {minor: latest_patch(minor, versions) for minor in minors}
     print("releases:", ", ".join(f"{m} -> {v}" for m, v in plan.items()), flush=True)
-    command = " ".join(
+    command = portable_command(
         ["python", "benchmarks/compat.py", *(sys.argv[1:] if argv is None else argv)]
     )
     run_info = {

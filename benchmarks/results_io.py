@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_prefix_guard.diagnostics.records import portable_path
+
 
 def environment(vllm_version: str) -> dict[str, Any]:
     """The machine and load a figure was measured under, so results can be compared."""
@@ -23,7 +25,7 @@ def environment(vllm_version: str) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg()[0],
-        "executable": sys.executable,
+        "executable": portable_path(sys.executable),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -34,7 +34,11 @@ echo "server ready: $(( $(date +%s) - started )) s"
 curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
     -d '{"model": "/tmp/tiny-llama", "prompt": "hello hello hello", "max_tokens": 8}'
 echo
-curl -s localhost:8000/metrics | grep prefix_guard
+sleep 2   # the guard publishes its counters once a second
+curl -s localhost:8000/metrics | grep prefix_guard_steps_committed | tee committed.txt
+# Checked, not just shown: the completion's steps were committed by the guard.
+grep -Eq 'prefix_guard_steps_committed_total\{.*\} [1-9]' committed.txt \
+    || { echo "FAILED: steps_committed is 0 after a completion"; exit 1; }
 kill -INT $server && wait $server || true
 trap - EXIT
 echo "patch lines: $(grep -c 'vllm-prefix-guard .*: patched' server.log) (log: $work/server.log)"

@@ -39,6 +39,7 @@ DIAGNOSTICS = {
     "diagnostics/__init__",
     "diagnostics/connector",
     "diagnostics/factory",
+    "diagnostics/records",
     "diagnostics/selftest",
     "diagnostics/shadow_kv",
     *(

@@ -201,3 +201,27 @@ def test_dense_data_parallel_engines_keep_their_rank_and_their_own_files(
     for rank in (0, 1):
         assert read(run_dir / f"engine-{rank}.json")["engine"] == str(rank)
         assert read(tmp_path / f"guard-{rank}.json")["engine"] == str(rank)
+
+
+def test_a_bad_stats_path_stops_start_up_with_one_line(tmp_path: Path) -> None:
+    """What an operator sees: vLLM's plugin loader, as every vLLM process runs it at start,
+    ends with the guard's one line (and no traceback through the loader)."""
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "missing" / "guard.json"
+    env = {**os.environ, plugin.ENV_VAR: "1", STATS_FILE_ENV: str(bad), "HF_HUB_OFFLINE": "1"}
+    env.pop("VLLM_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", "from vllm.plugins import load_general_plugins as l; l()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm-prefix-guard: VLLM_PREFIX_GUARD_STATS_FILE=")
+    assert "does not exist" in last

@@ -97,6 +97,20 @@ class DemoReport:
         queries = self.metrics.prefix_cache_queries
         return self.metrics.prefix_cache_hits / queries if queries else math.nan
 
+    def shutdown_summary(self) -> str:
+        """How the servers stopped, in one line: clean, orderly but for vLLM's own known
+        race, or with problems (listed below it in the report)."""
+        problems = {name: found for name, found in self.shutdown.items() if found}
+        if problems:
+            counts = "; ".join(
+                f"{name}: {len(found)} problem(s)" for name, found in problems.items()
+            )
+            race = f"; also {_race(self.vllm_shutdown_race)}" if self.vllm_shutdown_race else ""
+            return f"NOT CLEAN: {counts}{race}"
+        if self.vllm_shutdown_race:
+            return f"orderly (no force-kill), with {_race(self.vllm_shutdown_race)}"
+        return "clean (no traceback, no force-kill in the server logs)"
+
     def render(self) -> str:
         rollbacks = "n/a" if self.guard_rollbacks is None else str(self.guard_rollbacks)
         engines = f", {self.data_parallel_size} engines" if self.data_parallel_size > 1 else ""
@@ -119,27 +133,23 @@ class DemoReport:
             f"(vs. no prefix caching, logprob atol {LOGPROB_ATOL:g})"
         )
         lines += [f"    {rid}: {problem}" for rid, problem in list(self.mismatches.items())[:10]]
+        lines.append("  shutdown          " + self.shutdown_summary())
         problems = {name: found for name, found in self.shutdown.items() if found}
-        if problems:
-            counts = (f"{name}: {len(found)} problem(s)" for name, found in problems.items())
-            lines.append("  shutdown          " + "; ".join(counts))
-        else:
-            lines.append(
-                "  shutdown          clean (no traceback, no force-kill in the server logs)"
-            )
         for name, found in problems.items():
             lines += [f"    {name}: {line[:160]}" for line in found[:3]]
-        if self.vllm_shutdown_race:
-            lines.append(
-                f"    except, in {', '.join(self.vllm_shutdown_race)}, vLLM's own shutdown race "
-                "(an EngineDeadError traceback after an orderly stop, guard or not; vllm#48745)"
-            )
         if self.log_dir is not None:
             lines.append(f"  server logs       {self.log_dir}")
         if self.model_dir is not None:
             lines.append(f"  model             {self.model_dir}")
         lines.append("  result            " + ("OK" if self.ok else "FAILED"))
         return "\n".join(lines)
+
+
+def _race(logs: list[str]) -> str:
+    return (
+        f"vLLM's known shutdown race in {', '.join(logs)} (an EngineDeadError traceback "
+        "after the stop, guard or not; vllm#48745)"
+    )
 
 
 def _guard_line(counters: dict[str, float]) -> str:

@@ -10,8 +10,21 @@ from __future__ import annotations
 DISABLE_HINT = "Set VLLM_PREFIX_GUARD=0 (or leave it unset) to run vLLM without the guard."
 
 
-class GuardConfigError(ValueError):
-    """A guard setting (an environment variable) holds a value that is not understood."""
+class GuardConfigError(SystemExit):
+    """A guard setting (an environment variable) holds a value that is not understood.
+
+    A ``SystemExit``: the plugin entry point runs at process start, where an operator's
+    typo deserves one clear line, not a traceback through vLLM's plugin loader. Uncaught, it
+    ends the process with its message alone (exit status 1); ``doctor`` and tests catch it
+    by name.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"vllm-prefix-guard: {message}")
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class GuardUnsupportedError(RuntimeError):

@@ -313,3 +313,32 @@ def test_tiny_tokenizer_round_trips(tmp_path: Path) -> None:
     assert tokenizer.get_vocab_size() == config["vocab_size"]
     text = "the quick brown fox, naïvely"
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_demo_report_states_shutdown_in_one_line() -> None:
+    """Clean, orderly but for vLLM's own known race (named as such, never called clean), or
+    not clean; one line either way."""
+    from guard_demo.__main__ import DemoReport
+    from guard_demo.metrics import MetricsSnapshot
+
+    def report(shutdown: dict[str, list[str]], race: list[str]) -> str:
+        demo = DemoReport(
+            guard=True,
+            vllm_version="0.32.0",
+            requests=1,
+            completed=1,
+            cancelled=0,
+            failed=0,
+            metrics=MetricsSnapshot(0, 0, 0),
+            guard_rollbacks=0,
+            shutdown=shutdown,
+            vllm_shutdown_race=race,
+        )
+        [line] = [line for line in demo.render().splitlines() if "shutdown" in line]
+        return line.split("shutdown", 1)[1].strip()
+
+    assert report({"guarded-server.log": []}, []).startswith("clean")
+    raced = report({"guarded-server.log": []}, ["guarded-server.log"])
+    assert raced.startswith("orderly") and "vllm#48745" in raced and "clean" not in raced
+    broken = report({"guarded-server.log": ["Traceback (most recent call last):"]}, [])
+    assert broken.startswith("NOT CLEAN: guarded-server.log: 1 problem(s)")

@@ -137,11 +137,19 @@ class ShadowKV:
     _prefix: dict[str, list[int]] = field(default_factory=dict)
     # block_id -> requests whose verified prefix holds it
     _watchers: dict[int, set[str]] = field(default_factory=dict)
+    # The step being executed, as the caller numbers steps (-1: none), and per slot the
+    # step that last wrote it: which step vouches for a slot's content (the rollback
+    # audit tells a slot written for a block's current tenant from bytes an earlier
+    # tenant left there).
+    step: int = -1
+    written_at: dict[int, list[int]] = field(default_factory=dict)
 
     def write(self, block_id: int, offset: int, fingerprint: int) -> None:
         slots = self.slots.get(block_id)
         if slots is None:
             slots = self.slots[block_id] = [None] * self.block_size
+            self.written_at[block_id] = [-1] * self.block_size
+        self.written_at[block_id][offset] = self.step
         held = slots[offset]
         if held != fingerprint:
             slots[offset] = fingerprint
@@ -260,6 +268,7 @@ class ShadowWorker:
         twin = ShadowWorker(self.scheduler, self.sample)
         twin.kv.slots = {block: list(slots) for block, slots in self.kv.slots.items()}
         twin.kv.versions = dict(self.kv.versions)
+        twin.kv.written_at = {block: list(at) for block, at in self.kv.written_at.items()}
         twin.models = self.models
         twin.steps_executed = self.steps_executed
         twin.failure_reports = list(self.failure_reports)

@@ -7,10 +7,16 @@ steps ran*: at the end of the latest step dispatched when it was undone (a dispa
 is never cancelled, and a later one may rewrite the block), or right away if that step
 already ran; an entry a preemption takes out of the open step, at the end of that step.
 
-- ``valid``: the block holds exactly the KV the key names: the rollback dropped good KV;
+- ``valid``: the block holds exactly the KV the key names, written since the registering
+  request was last admitted: the rollback dropped good KV;
 - ``never_written`` / ``wrong`` / ``failed_load``: a slot is empty, holds another prefix
   or KV computed over bad KV (poisoned), or the connector reported the block's load as
   failed (its content is then undefined): the rollback was needed;
+- ``leftover``: the right bytes, but written before the registering request was last
+  admitted: an earlier tenant of the block (the same request before a preemption or a
+  reset, with the same prefix) left them, and no step writes them again; vLLM may zero a
+  block it hands out afresh, and the guard cannot see a block's past, so the rollback was
+  needed (found by ``reset-async`` at three times its horizon, seed 950007, vLLM 0.33);
 - ``stale``: the undo was a no-op (the block lost that registration since).
 
 Counts are kept per rollback cause (the ledger path that undid the entry). Two more rows
@@ -30,18 +36,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.shadow_kv import ShadowWorker, TokenModel
+from vllm_prefix_guard.diagnostics.shadow_kv import ShadowKV, ShadowWorker, TokenModel
 from vllm_prefix_guard.ledger import PREEMPTED, Entry, StepBucket, StepLedger
+from vllm_prefix_guard.recovery import admissions_of
 
-VALID, NEVER_WRITTEN, WRONG, FAILED_LOAD, STALE, UNKNOWN = (
+VALID, NEVER_WRITTEN, WRONG, FAILED_LOAD, LEFTOVER, STALE, UNKNOWN = (
     "valid",
     "never_written",
     "wrong",
     "failed_load",
+    "leftover",
     "stale",
     "unknown",
 )
-NEEDED = (NEVER_WRITTEN, WRONG, FAILED_LOAD)
+NEEDED = (NEVER_WRITTEN, WRONG, FAILED_LOAD, LEFTOVER)
 # Rows that are not rollbacks.
 COMMITTED = "(committed)"
 READERS = "(readers of bad KV: counted wrong KV?)"
@@ -58,6 +66,8 @@ class Registration:
     model: TokenModel | None
     num_tokens: int
     step: int
+    # The step that last admitted the registering request (new or resumed; -1: unknown).
+    admitted: int = -1
 
 
 @dataclass
@@ -129,11 +139,14 @@ class RollbackAudit:
         self._models: dict[str, TokenModel] = {}
         # step -> block ids its connector reported invalid.
         self._invalid_at: dict[int, set[int]] = {}
+        # request -> the step that last admitted it (new or resumed).
+        self._admitted_at: dict[str, int] = {}
         ledger.observer = self
         worker = driver.worker
         execute = worker.execute
 
         def execute_and_classify(plan: Any) -> Any:
+            worker.kv.step = self._step_of.get(id(plan.output), -1)
             result = execute(plan)
             self._on_executed(plan.output)
             return result
@@ -145,6 +158,8 @@ class RollbackAudit:
     def step_dispatched(self, output: object, bucket: StepBucket) -> None:
         step = self.step
         self._step_of[id(output)] = self._step_of_dispatched[id(output)] = step
+        for admitted, _, _ in admissions_of(output):
+            self._admitted_at[admitted] = step
         for request_id, entries in bucket.by_request.items():
             for entry in entries:
                 self._register(request_id, entry, step)
@@ -172,7 +187,7 @@ class RollbackAudit:
             if not (block.block_hash is key or index.contain(key, block.block_id)):
                 self.counts.add(cause, STALE, reg)
             elif judged_at in self._executed:
-                self.counts.add(cause, self.verdict(reg), reg)
+                self.counts.add(cause, self.verdict(reg, rolled_back=True), reg)
             else:
                 self._pending.setdefault(judged_at, []).append((cause, reg))
         return entries
@@ -217,7 +232,13 @@ class RollbackAudit:
     def _register(self, request_id: str | None, entry: Entry, step: int) -> Registration:
         key, block, num_tokens = entry
         reg = Registration(
-            key, block.block_id, request_id, self._model(request_id), num_tokens or 0, step
+            key,
+            block.block_id,
+            request_id,
+            self._model(request_id),
+            num_tokens or 0,
+            step,
+            -1 if request_id is None else self._admitted_at.get(request_id, -1),
         )
         self._regs[(id(key), block.block_id)] = reg
         return reg
@@ -255,18 +276,23 @@ class RollbackAudit:
             return
         self._executed.add(step)
         for cause, reg in self._pending.pop(step, ()):
-            self.counts.add(cause, self.verdict(reg), reg)
+            self.counts.add(cause, self.verdict(reg, rolled_back=True), reg)
         self._judge_readers(step)
 
-    def verdict(self, reg: Registration, slots: dict[int, list[int | None]] | None = None) -> str:
-        """The content of ``reg``'s block against the KV its key names."""
+    def verdict(
+        self, reg: Registration, kv: ShadowKV | None = None, rolled_back: bool = False
+    ) -> str:
+        """The content of ``reg``'s block (in ``kv``, default the driver's) against the KV
+        its key names; for a rollback, also whether its request's tenancy wrote it."""
         if reg.model is None or reg.num_tokens <= 0:
             return UNKNOWN
         if reg.block_id in self._invalid_at.get(reg.step, ()):
             return FAILED_LOAD
-        held = (self.driver.kv.slots if slots is None else slots).get(reg.block_id)
+        kv = self.driver.kv if kv is None else kv
+        held = kv.slots.get(reg.block_id)
         if held is None:
             return NEVER_WRITTEN
+        written_at = kv.written_at[reg.block_id]
         size = self.block_size
         verdict = VALID
         for position in range((reg.num_tokens - 1) // size * size, reg.num_tokens):
@@ -274,6 +300,8 @@ class RollbackAudit:
                 return NEVER_WRITTEN
             if held[position % size] != reg.model.fingerprint(position):
                 verdict = WRONG
+            elif verdict == VALID and rolled_back and written_at[position % size] < reg.admitted:
+                verdict = LEFTOVER
         return verdict
 
     def finish(self) -> AuditCounts:
@@ -302,7 +330,7 @@ class IdealPolicy(RollbackAudit):
         self.kept_entries = 0
         self.kept_readers = 0
         self._cache_key: tuple[int, int] | None = None
-        self._cache: tuple[dict[int, list[int | None]], set[int]] = ({}, set())
+        self._cache: tuple[ShadowKV, set[int]] = (ShadowKV(self.block_size), set())
 
     def undoing(self, cause: str, request_id: str | None, entries: list[Entry]) -> list[Entry]:
         undone = []
@@ -321,8 +349,8 @@ class IdealPolicy(RollbackAudit):
         self.kept_readers += len(keep)
         return super().preempting_readers(readers - keep)
 
-    def _final(self) -> tuple[dict[int, list[int | None]], set[int]]:
-        """Slots once every dispatched step ran, and the blocks their loads leave invalid."""
+    def _final(self) -> tuple[ShadowKV, set[int]]:
+        """The KV once every dispatched step ran, and the blocks their loads leave invalid."""
         driver = self.driver
         worker: ShadowWorker = driver.worker
         key = (worker.steps_executed, len(driver.in_flight))
@@ -331,23 +359,24 @@ class IdealPolicy(RollbackAudit):
         twin = worker.fork()
         invalid: set[int] = set()
         for plan in list(driver.in_flight):
+            twin.kv.step = self._step_of.get(id(plan.output), -1)
             twin.execute(plan)
             invalid.update(b for load in plan.loads if load.fails for b in load.block_ids)
-        self._cache_key, self._cache = key, (twin.kv.slots, invalid)
+        self._cache_key, self._cache = key, (twin.kv, invalid)
         return self._cache
 
     def valid_final(self, reg: Registration) -> bool:
-        slots, invalid = self._final()
+        kv, invalid = self._final()
         if reg.step not in self._executed and reg.block_id in invalid:
             return False
-        return self.verdict(reg, slots) == VALID
+        return self.verdict(reg, kv, rolled_back=True) == VALID
 
     def counts_wrong_kv(self, request_id: str) -> bool:
         """Whether a running request counts KV as computed that is (or will be) wrong."""
         model = self._model(request_id)
         if model is None:
             return True
-        slots, _ = self._final()
+        slots = self._final()[0].slots
         size = self.block_size
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
         return any(

@@ -29,6 +29,7 @@ from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
     reexec_with_fixed_hash_seed,
 )
 from vllm_prefix_guard.diagnostics.fuzz.runner import MODES
+from vllm_prefix_guard.diagnostics.records import portable_command
 
 
 def soak_config(
@@ -97,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             results = [f.result() for f in futures]
     else:
         results = [_soak_one(c, args.steps, args.horizon_factor, modes) for c in configs]
-    command = "python -m vllm_prefix_guard.diagnostics.fuzz.soak " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    given = argv if argv is not None else sys.argv[1:]
+    command = portable_command(["python", "-m", "vllm_prefix_guard.diagnostics.fuzz.soak", *given])
     report = "\n\n".join(
         [
             f"Soak: vLLM {targets.vllm_version()}, Python {platform.python_version()} "
