@@ -105,9 +105,10 @@ def evidence(results: dict[str, Any]) -> str:
             f"{sum(o == 'passed' for o in a['patched'].values())} of {len(a['patched'])} pass "
             f"on the patched tree; every one fails on stock vLLM {results['vllm']}: "
             f"{by_assert} on an assertion about what the cache holds or who runs, the "
-            f"other {len(a['unpatched']) - by_assert} (same-step sharing kept, reset) "
-            "because stock has no `uncommitted_prefix_cache` to inspect: those pin "
-            "invariants stock also keeps.",
+            f"other {len(a['unpatched']) - by_assert} (same-step sharing kept, an abort "
+            "with a step in flight kept, reset) because stock has no "
+            "`uncommitted_prefix_cache` to inspect: those pin what the patch must not "
+            "undo, which stock keeps too.",
             "",
             tests_table(a),
             "",

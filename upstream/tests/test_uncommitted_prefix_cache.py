@@ -179,10 +179,10 @@ def test_preempted_request_in_hybrid_model_leaves_no_entry():
 
 
 def test_preemption_keeps_entries_of_steps_in_flight():
-    """Async scheduling: A is preempted while its previous chunk is still running.
-    That step cannot be cancelled and writes its blocks, so their entries stay
-    (#43569 removes them too, losing valid hits); only the entries of the step
-    being scheduled go."""
+    """#43569 (its in-flight rollback): async scheduling, A is preempted while its
+    previous chunk is still running. That step cannot be cancelled and writes its
+    blocks, so their entries stay (#43569 removes them too, losing valid hits);
+    only the entries of the step being scheduled go."""
     scheduler = create_priority_scheduler(num_blocks=28, async_scheduling=True)
     prompt_a = list(range(1, 321))
     scheduler.add_request(make_request("D", PROMPT_D, max_tokens=3))
@@ -210,8 +210,9 @@ def test_preemption_keeps_entries_of_steps_in_flight():
 
 
 def test_dropped_step_entries_are_removed():
-    """A step whose output never comes back (the next one is committed first, as
-    EngineCore's fault-tolerance drain does) wrote nothing: its entries go."""
+    """#43569 (its FIFO pairing): a step whose output never comes back (the next one
+    is committed first, as EngineCore's fault-tolerance drain does) wrote nothing:
+    its entries go. The record is keyed by the output, not by a count."""
     scheduler = create_scheduler(enable_prefix_caching=True, block_size=BLOCK_SIZE)
     prompt = list(range(1, 33))
     scheduler.add_request(make_request("a", prompt))
@@ -228,8 +229,10 @@ def test_dropped_step_entries_are_removed():
 
 
 def test_same_step_sharing_is_kept():
-    """Identical prompts (and `n>1` children) share the blocks their step
-    registers: one forward writes them before attention reads them."""
+    """#43569 (same-step dependents): identical prompts (and `n>1` children) share
+    the blocks their step registers, as prefix caching intends: one forward writes
+    them before attention reads them. The patch keeps this (hiding them would cost
+    512 + 3 x 512 tokens instead of 512 + 3 x 16)."""
     scheduler = create_scheduler(enable_prefix_caching=True, block_size=BLOCK_SIZE)
     prompt = list(range(1, 513))
     for i in range(4):
@@ -245,9 +248,31 @@ def test_same_step_sharing_is_kept():
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
 
 
+def test_abort_while_step_in_flight_keeps_its_entries():
+    """#56525's shape: async scheduling, a long prefill is aborted while its step is
+    in flight and retried at once. The dispatched step still runs and writes its
+    blocks (vLLM's runners compute every request of a dispatched step), so the
+    retry hits them and they stay cached: an abort is not a rollback."""
+    scheduler = create_scheduler(
+        enable_prefix_caching=True, block_size=BLOCK_SIZE, async_scheduling=True
+    )
+    prompt = list(range(1, 65))
+    scheduler.add_request(make_request("a", prompt))
+    in_flight = scheduler.schedule()
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request("retry", prompt))
+    retried = scheduler.schedule()
+    [admitted] = retried.scheduled_new_reqs
+    assert admitted.num_computed_tokens == 48
+    for step_output in (in_flight, retried):
+        scheduler.update_from_output(step_output, make_output(scheduler, step_output))
+    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+    assert num_hit_tokens(scheduler, prompt) == 48
+
+
 def test_reset_prefix_cache_drops_uncommitted_entries():
-    """A reset while a step is in flight drops that step's record; its late output
-    changes nothing, and the next steps are committed as usual."""
+    """#43569 (test 5, reset): a reset while a step is in flight drops that step's
+    record; its late output changes nothing, and the next steps commit as usual."""
     scheduler = create_scheduler(
         enable_prefix_caching=True, block_size=BLOCK_SIZE, async_scheduling=True
     )
@@ -312,8 +337,9 @@ def finish_all(scheduler: Scheduler, max_steps: int = 50) -> None:
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_load_of_aborted_loader_is_never_hit(policy: str):
-    """The loader is aborted while its failing step runs: vLLM no longer finds it
-    among the requests holding the invalid blocks, so their entries stayed."""
+    """#19330: the loader is aborted while its failing step runs; vLLM no longer
+    finds it among the requests holding the invalid blocks, so their entries
+    stayed, under either policy."""
     scheduler = create_loading_scheduler(policy)
     scheduler.add_request(make_request("loader", PROMPT))
     scheduler_output = scheduler.schedule()
@@ -328,8 +354,8 @@ def test_failed_load_of_aborted_loader_is_never_hit(policy: str):
 
 
 def test_failed_load_under_recompute_is_never_hit():
-    """Under `recompute` the loader is rewound and recomputes its blocks later;
-    until then their entries named KV that never arrived."""
+    """#26813: under `recompute` the loader is rewound and recomputes its blocks
+    later; until then their entries named KV that never arrived."""
     scheduler = create_loading_scheduler("recompute")
     scheduler.add_request(make_request("loader", PROMPT))
     scheduler_output = scheduler.schedule()
@@ -345,8 +371,8 @@ def test_failed_load_under_recompute_is_never_hit():
 
 
 def test_sharer_of_failed_load_recomputes():
-    """A sharer hits the blocks the loader registers in the same step, and the load
-    fails. vLLM truncates only the first holder of an invalid block; the sharer
+    """#26813: a sharer hits the blocks the loader registers in the same step, and
+    the load fails. vLLM truncates only the first holder of an invalid block; the sharer
     would keep it as computed. It is preempted to recompute instead, and the
     invalid blocks' entries go (see test_sync_load_failure_with_shared_blocks).
     Under `fail`, vLLM fails every holder of an invalid block already."""
@@ -368,8 +394,8 @@ def test_sharer_of_failed_load_recomputes():
 
 
 def test_failed_load_removes_entries_of_later_steps_in_flight():
-    """Two steps in flight: the step after the failing one already computed (and
-    registered) more of the loader's prompt on top of the invalid KV."""
+    """#26813, async: two steps in flight; the step after the failing one already
+    computed (and registered) more of the loader's prompt on top of the invalid KV."""
     scheduler = create_loading_scheduler(
         "recompute", async_scheduling=True, max_num_batched_tokens=32
     )
@@ -388,7 +414,7 @@ def test_failed_load_removes_entries_of_later_steps_in_flight():
 
 
 def test_reader_admitted_on_failed_load_recomputes():
-    """Async scheduling: a request admitted in the next step on a hit of the
+    """#26813, async: a request admitted in the next step on a hit of the
     loaded blocks reads KV whose load then fails; it recomputes, and nothing it
     computed over that KV stays cached."""
     scheduler = create_loading_scheduler("recompute", async_scheduling=True)
