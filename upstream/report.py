@@ -152,6 +152,16 @@ def evidence(results: dict[str, Any]) -> str:
             f"({sum(o.startswith('failed') for o in old.values())} of {len(old)}).",
             "",
         ]
+    for name in sorted(k for k in results if k.startswith("c:")):
+        other = results[name]
+        out += [
+            f"The whole selection `{other['selection']}` (`nox -s upstream -- --only c "
+            f"--selection {other['selection']}`; not in CI): unpatched "
+            f"{counts(other['unpatched'])}; patched {counts(other['patched'])}; tests that "
+            f"pass unpatched and not patched: {'; '.join(other['regressed']) or 'none'} (the "
+            "failures on both are tests that need CUDA, Ray on CPU or model weights).",
+            "",
+        ]
     if d:
         seen = d["guard_on_patched_tree"]
         unchanged = d["fuzz_unchanged"]
