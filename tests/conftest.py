@@ -21,7 +21,7 @@ os.environ.setdefault(
     os.path.join(tempfile.gettempdir(), f"vllm-prefix-guard-cache-{vllm.__version__}"),
 )
 
-from native_fix import INSTALLED as NATIVE_FIX
+from native_fix import INSTALLED as NATIVE_FIX_INSTALLED
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.metrics import RUN_DIR_ENV
 
@@ -40,7 +40,7 @@ def _stock_between_tests() -> Iterator[None]:
         os.environ[RUN_DIR_ENV] = run_dir
 
 
-@pytest.fixture(params=["native"] if NATIVE_FIX else ["stock", "guard"])
+@pytest.fixture(params=["native"] if NATIVE_FIX_INSTALLED else ["stock", "guard"])
 def mode(request: pytest.FixtureRequest) -> str:
     """Run a regression both ways: stock must fail, the guard must not. On a vLLM with
     its own fix, once (``native``): it must not fail, judged by the same oracle."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from native_fix import INSTALLED as NATIVE_FIX
+from native_fix import INSTALLED as NATIVE_FIX_INSTALLED
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.selftest import zombie_layout
 from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
@@ -134,7 +134,7 @@ def test_async_victims_with_steps_in_flight_keep_their_entries() -> None:
         for earlier, later in pairwise(outputs)
         for victim in later.preempted_req_ids or ()
     )
-    if not NATIVE_FIX:
+    if not NATIVE_FIX_INSTALLED:
         ledger = ledger_of(driver.scheduler)
         assert ledger is not None and ledger.stats.rolled_back == 0 and ledger.is_idle
 
@@ -169,10 +169,10 @@ def test_preempted_victim_keeps_a_block_registered_one_step_late(guard: None) ->
             Arrive(17, "r7", prompt=((1000, 103), (11000, 8)), max_tokens=6),
         ),
     )
-    result = run_workload(workload, "guard", audit=not NATIVE_FIX)
+    result = run_workload(workload, "guard", audit=not NATIVE_FIX_INSTALLED)
     assert result.violations == 0
     assert result.preemptions > 0
-    if NATIVE_FIX:
+    if NATIVE_FIX_INSTALLED:
         return  # the audit reads the guard's ledger; vLLM's own fix keeps none
     assert result.audit is not None
     assert result.audit.valid_rolled_back == 0, result.audit.examples

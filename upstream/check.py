@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -74,8 +73,7 @@ class Env:
     """Environments of the runs: offline, a Hub cache with the configs vLLM's tests
     name, the CPU platform, a fixed hash seed."""
 
-    def __init__(self) -> None:
-        hf_home = Path(tempfile.mkdtemp(prefix="upstream-hf-"))
+    def __init__(self, hf_home: Path) -> None:
         hub = write_hub_cache(hf_home)
         self.base = {
             **os.environ,
@@ -387,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     for tree_dir in trees.values():
         for test_file in sorted((HERE / "tests").glob("test_*.py")):
             (tree_dir / TESTS_DEST / test_file.name).write_text(test_file.read_text())
-    env = Env()
+    env = Env(work / "hf-home")
     # Checks not run this time keep their last results (the step cost is measured apart).
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(

@@ -97,10 +97,15 @@ class DemoReport:
         queries = self.metrics.prefix_cache_queries
         return self.metrics.prefix_cache_hits / queries if queries else math.nan
 
+    @property
+    def shutdown_problems(self) -> dict[str, list[str]]:
+        """Server log -> its lines showing an unclean stop, for the logs that have any."""
+        return {name: found for name, found in self.shutdown.items() if found}
+
     def shutdown_summary(self) -> str:
         """How the servers stopped, in one line: clean, orderly but for vLLM's own known
         race, or with problems (listed below it in the report)."""
-        problems = {name: found for name, found in self.shutdown.items() if found}
+        problems = self.shutdown_problems
         if problems:
             counts = "; ".join(
                 f"{name}: {len(found)} problem(s)" for name, found in problems.items()
@@ -134,8 +139,7 @@ class DemoReport:
         )
         lines += [f"    {rid}: {problem}" for rid, problem in list(self.mismatches.items())[:10]]
         lines.append("  shutdown          " + self.shutdown_summary())
-        problems = {name: found for name, found in self.shutdown.items() if found}
-        for name, found in problems.items():
+        for name, found in self.shutdown_problems.items():
             lines += [f"    {name}: {line[:160]}" for line in found[:3]]
         if self.log_dir is not None:
             lines.append(f"  server logs       {self.log_dir}")

@@ -56,7 +56,8 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
     assert re.search(rf"model\s+{re.escape(str(tiny_model))}\n", report), report
     # Both servers stopped the way vLLM expects: no traceback (but vLLM's own known race,
     # named as such), no force-kill in their logs.
-    assert re.search(r"shutdown\s+(clean|orderly \(no force-kill\), with vLLM's known)", report)
+    shutdown = r"shutdown\s+(clean|orderly \(no force-kill\), with vLLM's known)"
+    assert re.search(shutdown, report), report
     assert "force-killing" not in result.stderr
     for log in ("guarded-server.log", "reference-server.log"):
         assert shutdown_problems((tmp_path / log).read_text()) == [], log

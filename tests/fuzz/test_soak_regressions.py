@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from native_fix import INSTALLED as NATIVE_FIX
+from native_fix import INSTALLED as NATIVE_FIX_INSTALLED
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 
@@ -30,9 +30,9 @@ def test_soak_finding_stays_fixed(name: str, seed: int) -> None:
     quiet_vllm()
     config = CONFIGS[name]
     workload = config.workload(seed, config.horizon * SOAK_HORIZON_FACTOR)
-    guard = run_workload(workload, "guard", audit=not NATIVE_FIX)
+    guard = run_workload(workload, "guard", audit=not NATIVE_FIX_INSTALLED)
     assert guard.violations == 0, guard.examples[:5]
-    if NATIVE_FIX:
+    if NATIVE_FIX_INSTALLED:
         return  # the audit reads the guard's ledger; vLLM's own fix keeps none
     assert guard.audit is not None
     assert guard.audit.invalid_committed == 0, guard.audit.examples
