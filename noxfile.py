@@ -291,6 +291,17 @@ UPSTREAM_WORK = ROOT / ".nox" / "upstream"
 def _upstream(session: nox.Session, checks: str) -> None:
     venv = vllm_venv(session, "0.33.0")
     tests = with_vllm_tests(session, venv, "0.33.0", "ci")
+    # The series is up to date with the rules and call sites, and passes vLLM's ruff.
+    run_in(session, venv, "python", "-m", "pip", "install", "--quiet", "ruff>=0.6")
+    run_in(
+        session,
+        venv,
+        "python",
+        str(ROOT / "upstream" / "series.py"),
+        "--vllm-tests",
+        str(tests),
+        "--check",
+    )
     run_in(
         session,
         venv,
@@ -311,10 +322,12 @@ def _upstream(session: nox.Session, checks: str) -> None:
 
 @nox.session(python=False)
 def upstream(session: nox.Session) -> None:
-    """The upstream patch (upstream/*.patch) on vLLM 0.33.0: its tests pass patched and fail
-    unpatched, the patch alone reads no bad KV (regression tests, fuzzer) with the guard's
-    hits and preemptions, vLLM's own tests (selection ci) still pass, the guard steps
-    aside; rewrites upstream/results.json and upstream/README.md."""
+    """The upstream series (upstream/series/) on vLLM 0.33.0, each prefix of it: the patches
+    are up to date with the rules, each part's tests pass with it and fail without, the
+    series alone reads no bad KV (regression tests, fuzzer) with the guard's hits and
+    preemptions and part 1 alone in every configuration without failed loads, vLLM's own
+    tests (selection ci) still pass, the guard steps aside for the series and refuses part
+    of it; rewrites upstream/results.json and the PR texts."""
     _upstream(session, "a,b,c,d")
 
 

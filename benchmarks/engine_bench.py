@@ -5,7 +5,7 @@ Two worker processes each build one offline ``vllm.LLM`` on the project's tiny L
 
 ``stock``  ``VLLM_PREFIX_GUARD=0``: the plugin entry point loads and applies nothing;
 ``guard``  ``VLLM_PREFIX_GUARD=1``: the entry point applies the guard before the engine
-           builds its scheduler (the worker checks that its scheduler has a ledger).
+           builds its scheduler (the worker checks that its scheduler has a guard).
 
 The parent then asks them, in turn, to run the same shared-prefix batch: ``A B``, then
 ``B A``, and so on, so neither always runs first and slow drift of a shared machine lands
@@ -107,7 +107,7 @@ def worker(workload: Workload, model_dir: str) -> int:
         disable_log_stats=False,  # the hit counters come from the stat loggers
     )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    ledger = hooks.ledger_of(scheduler)
+    guard = hooks.guard_of(scheduler)
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
     prompts = workload.prompts(vocab_size)
     params = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True, temperature=0.0)
@@ -117,7 +117,7 @@ def worker(workload: Workload, model_dir: str) -> int:
         "torch_threads": torch.get_num_threads(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)),
         "guard_applied": plugin.is_applied(),
-        "has_ledger": ledger is not None,
+        "has_ledger": guard is not None,
         "vllm": vllm.__version__,
     }
     print(READY + json.dumps(hello), flush=True)
@@ -139,8 +139,8 @@ def worker(workload: Workload, model_dir: str) -> int:
             "tokens_per_s": tokens / seconds,
             "hit_tokens": _counter(llm, "vllm:prefix_cache_hits") - hits,
             "query_tokens": _counter(llm, "vllm:prefix_cache_queries") - queries,
-            "ledger": ledger.stats.as_dict() if ledger is not None else None,
-            "ledger_idle": ledger.is_idle if ledger is not None else None,
+            "ledger": guard.counters() if guard is not None else None,
+            "ledger_idle": guard.is_idle if guard is not None else None,
         }
         print(RESULT + json.dumps(result), flush=True)
     return 0

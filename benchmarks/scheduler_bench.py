@@ -17,7 +17,7 @@ Why it is built this way:
 
 - The guard patches class attributes, so which column runs is decided by
   ``plugin.apply()``/``plugin.undo()``, set before each column's turn (220 us, untimed).
-  A scheduler built before ``apply()`` would go through the wrappers without a ledger,
+  A scheduler built before ``apply()`` would go through the wrappers without a guard,
   which is neither column; here each column's scheduler only ever runs in its own mode.
 - The three schedulers live side by side and take turns in *segments* of a few steps
   (``stock guard pr43569``, the order rotated every segment), each replaying the same
@@ -227,19 +227,20 @@ class TimedDriver(MeteredDriver):
     current engine iteration's; :meth:`Lane.iterate` resets them.
     """
 
-    def __init__(self, scheduler: Any, depth: int, ledger: Any) -> None:
+    def __init__(self, scheduler: Any, depth: int, guard: Any) -> None:
         super().__init__(scheduler, depth, sample=sampled_token)
-        self.ledger = ledger
+        # The guarded pool counts the entries it records (None: the stock column).
+        self.pool = guard.pool if guard is not None else None
         self.profiler: cProfile.Profile | None = None
         self.schedule_ns = self.update_ns = self.cpu_ns = 0
         self.max_registrations_per_step = 0
 
     def call_schedule(self) -> Any:
-        ledger = self.ledger
-        tracked = ledger.stats.registrations_tracked if ledger is not None else 0
+        pool = self.pool
+        tracked = pool.guard_recorded if pool is not None else 0
         output, self.schedule_ns = self._timed(self.scheduler.schedule)
-        if ledger is not None:
-            registered = ledger.stats.registrations_tracked - tracked
+        if pool is not None:
+            registered = pool.guard_recorded - tracked
             if registered > self.max_registrations_per_step:
                 self.max_registrations_per_step = registered
         return output
@@ -295,18 +296,19 @@ class Lane:
         self.cell, self.column = cell, column
         select(column)
         scheduler = make_scheduler(cell.scheduler_spec())
-        self.ledger = hooks.ledger_of(scheduler)
         self.in_flight_rollbacks: Any = None  # PR #43569's extra undos (pr43569 column)
+        if mode_of(column) == "pr43569":
+            from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
+
+            self.in_flight_rollbacks = EveryStepInFlight(scheduler.kv_cache_manager)
+            hooks.attach_guard(scheduler, self.in_flight_rollbacks)
+        self.guard = hooks.guard_of(scheduler)
         if mode_of(column) == "stock":
             pool = type(scheduler.kv_cache_manager.block_pool)
-            assert self.ledger is None and pool.__name__ == "BlockPool", "stock is guarded"
+            assert self.guard is None and pool.__name__ == "BlockPool", "stock is guarded"
         else:
-            assert self.ledger is not None, "guarded scheduler without a ledger"
-            if mode_of(column) == "pr43569":
-                from vllm_prefix_guard.diagnostics.fuzz.pr43569 import adopt_pr43569_scope
-
-                self.in_flight_rollbacks = adopt_pr43569_scope(self.ledger)
-        self.driver = TimedDriver(scheduler, cell.depth, self.ledger)
+            assert self.guard is not None, "guarded scheduler without a guard"
+        self.driver = TimedDriver(scheduler, cell.depth, self.guard)
         self.scheduler = scheduler
         self.traffic = cell.traffic
         self.prefixes = self.traffic.prefixes()
@@ -392,9 +394,9 @@ class Lane:
             "drain_iterations": self.drain_iterations,
             "trajectory": f"{driver.trajectory & 0xFFFFFFFF:08x}",
         }
-        ledger = self.ledger
-        if ledger is not None:
-            stats = ledger.counters()
+        guard = self.guard
+        if guard is not None:
+            stats = guard.counters()
             most = driver.max_registrations_per_step
             bound = self.cell.depth * most
             out["ledger"] = {
@@ -402,7 +404,7 @@ class Lane:
                 "max_registrations_per_step": most,
                 "peak_bound": bound,
                 "peak_within_bound": stats["peak_uncommitted_entries"] <= bound,
-                "idle_after_drain": ledger.is_idle,
+                "idle_after_drain": guard.is_idle,
             }
             if self.in_flight_rollbacks is not None:
                 out["ledger"]["in_flight_entries_rolled_back"] = self.in_flight_rollbacks.entries

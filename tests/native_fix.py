@@ -1,5 +1,5 @@
-"""A stand-in for vLLM's own fix (upstream/prefix-cache-commit.patch) on a stock vLLM:
-its names, in its shape or another, for the guard's detection to find."""
+"""A stand-in for vLLM's own fix (the upstream series) on a stock vLLM: its names, in its
+shape or another, for the guard's detection to find."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_prefix_guard import targets
@@ -25,12 +26,14 @@ def guard_only(reason: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(INSTALLED, reason=f"vLLM carries its own fix: {reason}")
 
 
-#: The patch's methods, as stand-ins taking the same parameters.
+#: The series' ``UncommittedPrefixCache`` methods, as stand-ins taking the same parameters.
 METHODS: dict[str, Any] = {
     "begin_step": lambda self: None,
     "end_step": lambda self, scheduler_output: None,
     "commit_step": lambda self, scheduler_output: None,
-    "rollback_preempted": lambda self, request_id, num_written_tokens: None,
+    "reset": lambda self: None,
+    "written": lambda self: None,
+    "rollback_preempted": lambda self, req_id, num_written_tokens: None,
     "rollback_failed_loads": lambda self, output, invalid_block_ids, running_req_ids: None,
 }
 
@@ -40,15 +43,34 @@ def simulate_native_fix(
     methods: dict[str, Any] | None = None,
     remove_entry: Any = lambda self, entry: True,
     wired: bool = True,
+    failed_kv_loads: bool = True,
 ) -> None:
-    """Give stock vLLM the patch's API: an ``UncommittedPrefixCache`` with ``methods``
-    (default: :data:`METHODS`), ``BlockPool.remove_uncommitted_entry`` (None: absent)
-    and, if ``wired``, ``Scheduler.uncommitted_prefix_cache``."""
+    """Give stock vLLM the series' API: an ``UncommittedPrefixCache`` with ``methods``
+    (default: :data:`METHODS`), ``BlockPool.remove_uncommitted_entry`` (None: absent),
+    if ``wired`` ``Scheduler.uncommitted_prefix_cache``, and if ``failed_kv_loads`` its
+    part 2: ``FailedKVLoads.reads_bad_kv`` and ``KVCacheManager.rewind_num_cached_blocks``
+    (without it, ``rollback_failed_loads`` is left out of the default methods too)."""
+    if methods is None:
+        methods = dict(METHODS)
+        if not failed_kv_loads:
+            del methods["rollback_failed_loads"]
     module = types.ModuleType(targets.UNCOMMITTED)
     module.UncommittedPrefixCache = type(  # type: ignore[attr-defined]
-        "UncommittedPrefixCache", (), dict(METHODS if methods is None else methods)
+        "UncommittedPrefixCache", (), dict(methods)
     )
     monkeypatch.setitem(sys.modules, targets.UNCOMMITTED, module)
+    if failed_kv_loads:
+        module = types.ModuleType(targets.FAILED_KV_LOADS)
+        module.FailedKVLoads = type(  # type: ignore[attr-defined]
+            "FailedKVLoads", (), {"reads_bad_kv": lambda self, request: False}
+        )
+        monkeypatch.setitem(sys.modules, targets.FAILED_KV_LOADS, module)
+        monkeypatch.setattr(
+            KVCacheManager,
+            "rewind_num_cached_blocks",
+            lambda self, uncached: None,
+            raising=False,
+        )
     if remove_entry is not None:
         monkeypatch.setattr(BlockPool, "remove_uncommitted_entry", remove_entry, raising=False)
     if wired:

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT, Driver
-from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.hooks import guard_of
 
 PROMPT = list(range(1, 65))  # 4 blocks; the connector holds the first 3
 
@@ -55,10 +55,11 @@ def test_failed_load_is_never_hit(mode: str, policy: str, aborted: bool, stock_f
         return
     assert driver.violations == 0
     if mode == "native":
-        return  # vLLM's own fix keeps no ledger: the oracle is the judge
-    ledger = ledger_of(driver.scheduler)
-    assert ledger is not None and ledger.is_idle
-    assert ledger.stats.rolled_back_kv_load_failure >= 3  # the three loaded blocks at least
+        return  # vLLM's own fix runs no guard: the oracle is the judge
+    scheduler_guard = guard_of(driver.scheduler)
+    assert scheduler_guard is not None and scheduler_guard.is_idle
+    # The three loaded blocks at least.
+    assert scheduler_guard.stats.rolled_back_kv_load_failure >= 3
 
 
 def test_recompute_re_registers_blocks_once_rewritten(guard: None) -> None:
@@ -102,11 +103,11 @@ def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
         return
     assert driver.violations == 0
     if mode == "native":
-        return  # vLLM's own fix keeps no ledger: the oracle is the judge
-    ledger = ledger_of(scheduler)
+        return  # vLLM's own fix runs no guard: the oracle is the judge
+    scheduler_guard = guard_of(scheduler)
     # The three loaded blocks and every block computed on top of them.
-    assert ledger is not None
-    assert ledger.stats.rolled_back_kv_load_failure == 3 + computed_blocks
+    assert scheduler_guard is not None
+    assert scheduler_guard.stats.rolled_back_kv_load_failure == 3 + computed_blocks
 
 
 def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
@@ -264,8 +265,8 @@ def test_sharer_of_a_failed_sync_load(mode: str, continuation: str) -> None:
         return
     assert driver.violations == 0
     if mode == "native":
-        return  # vLLM's own fix keeps no ledger: the oracle is the judge
-    ledger = ledger_of(scheduler)
-    assert ledger is not None and ledger.is_idle
-    assert ledger.stats.dependents_preempted == 1
-    assert ledger.stats.rolled_back_kv_load_failure == 5
+        return  # vLLM's own fix runs no guard: the oracle is the judge
+    scheduler_guard = guard_of(scheduler)
+    assert scheduler_guard is not None and scheduler_guard.is_idle
+    assert scheduler_guard.stats.dependents_preempted == 1
+    assert scheduler_guard.stats.rolled_back_kv_load_failure == 5

@@ -1,5 +1,6 @@
-"""How the package is put together: imports form no cycle, data flows hook -> ledger -> pool,
-the guard never loads its diagnostics, and no module touches another module's private state.
+"""How the package is put together: imports form no cycle, data flows hook -> guard ->
+rules -> pool, the guard never loads its diagnostics, and no module touches another
+module's private state.
 
 Read from the source with ``ast``: no vLLM needed.
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 from vllm_prefix_guard import targets
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vllm_prefix_guard"
-CORE = sorted(p for p in PACKAGE.glob("*.py"))
+#: The guard itself: the package's modules and the rules (not its diagnostics).
+CORE = sorted([*PACKAGE.glob("*.py"), *PACKAGE.glob("rules/*.py")])
 #: vLLM's own private names the guard uses on purpose (each checked at start-up); a
 #: wrapper named after one is no private state of the module defining it.
 VLLM_INTERNALS = {internal.name for internal in targets.INTERNALS}
@@ -66,11 +68,19 @@ def test_core_imports_form_no_cycle() -> None:
         visit(node, [])
 
 
-def test_data_flows_hook_to_ledger_to_pool() -> None:
-    imports = {module_name(p).rpartition(".")[2]: top_level_imports(p) for p in CORE}
-    assert "vllm_prefix_guard.ledger" not in imports["pool"]
-    assert "vllm_prefix_guard.hooks" not in imports["pool"] | imports["ledger"]
-    assert "vllm_prefix_guard.plugin" not in imports["hooks"]
+def test_data_flows_hook_to_guard_to_rules_to_pool() -> None:
+    imports = {module_name(p): top_level_imports(p) for p in CORE}
+    package = "vllm_prefix_guard"
+    hooks, guard, pool, plugin = (
+        f"{package}.{name}" for name in ("hooks", "scheduler_guard", "pool", "plugin")
+    )
+    rules = sorted(name for name in imports if name.startswith(f"{package}.rules"))
+    assert rules and guard in imports and pool in imports
+    assert not imports[pool] & {guard, hooks}
+    for name in rules:
+        assert not imports[name] & {pool, hooks, guard}, name
+    assert hooks not in imports[guard]
+    assert plugin not in imports[hooks]
 
 
 def test_the_guard_never_imports_its_diagnostics_at_import_time() -> None:

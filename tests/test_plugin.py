@@ -18,12 +18,16 @@ from native_fix import METHODS, simulate_native_fix, simulate_pr43569
 from vllm_prefix_guard import __version__, plugin, targets
 from vllm_prefix_guard.diagnostics.factory import make_scheduler
 from vllm_prefix_guard.errors import GuardConfigError, GuardUnsupportedError
-from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.hooks import GUARD_ATTR, guard_of
 from vllm_prefix_guard.log import LOGGER_NAME
 from vllm_prefix_guard.plugin import ENV_VAR
 
 STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
-PATCHED = {t.path for t in targets.SCHEDULER_HOOKS} | {"KVCacheCoordinator.__setattr__"}
+#: The scheduler hooks, the pool graft, and what the rules add to vLLM's KVCacheManager.
+PATCHED = {t.path for t in targets.SCHEDULER_HOOKS} | {
+    "KVCacheCoordinator.__setattr__",
+    "KVCacheManager.rewind_num_cached_blocks",
+}
 
 
 @pytest.fixture
@@ -136,7 +140,7 @@ def test_enabling_through_vllm_loader_guards_new_schedulers(
 ) -> None:
     monkeypatch.setenv(ENV_VAR, "1")
     _load_general_plugins(monkeypatch, None)
-    assert ledger_of(make_scheduler()) is not None
+    assert guard_of(make_scheduler()) is not None
 
 
 def test_missing_target_fails_loudly_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,6 +183,7 @@ HALF_SIMILAR: dict[str, dict[str, Any]] = {
     "not a method": {"methods": {**METHODS, "commit_step": None}},
     "no exact removal on the pool": {"remove_entry": None},
     "not wired into the scheduler": {"wired": False},
+    "the commit fence without the failed-load rollback": {"failed_kv_loads": False},
 }
 
 
@@ -222,8 +227,9 @@ def test_undo_restores_stock_vllm() -> None:
     plugin.undo()
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
     assert "__setattr__" not in vars(KVCacheCoordinator)
-    assert "_prefix_guard_ledger" not in vars(Scheduler)
-    assert ledger_of(make_scheduler()) is None
+    assert GUARD_ATTR not in vars(Scheduler)
+    assert "rewind_num_cached_blocks" not in vars(KVCacheManager)
+    assert guard_of(make_scheduler()) is None
 
 
 def test_fresh_process_needs_only_the_environment() -> None:
@@ -244,10 +250,10 @@ def test_fresh_process_needs_only_the_environment() -> None:
         "import vllm.plugins\n"
         "vllm.plugins.load_general_plugins()\n"
         "from vllm_prefix_guard import plugin\n"
-        "from vllm_prefix_guard.hooks import ledger_of\n"
+        "from vllm_prefix_guard.hooks import guard_of\n"
         "from vllm_prefix_guard.diagnostics.factory import make_scheduler\n"
         "assert plugin.is_applied(), 'guard not applied'\n"
-        "assert ledger_of(make_scheduler()) is not None, 'no ledger'\n"
+        "assert guard_of(make_scheduler()) is not None, 'no guard'\n"
         "print('guarded')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}

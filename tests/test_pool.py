@@ -17,9 +17,9 @@ from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.errors import GuardUnsupportedError
-from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.hooks import guard_of
 from vllm_prefix_guard.pool import PrefixGuardPool, graft
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
 
 def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
@@ -41,10 +41,24 @@ def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
     return scheduler, key, list(siblings.values()), driver.worker.models["x"].tokens[:32]
 
 
-def guarded_pool() -> tuple[Any, StepLedger]:
-    """vLLM's real pool of a fresh scheduler, grafted, with a ledger driven by hand."""
-    pool = graft(make_scheduler(num_blocks=16).kv_cache_manager.block_pool)
-    return pool, StepLedger(pool)
+def guarded_pool() -> tuple[Any, UncommittedPrefixCache]:
+    """vLLM's real pool of a fresh scheduler, grafted, with the rules driven by hand.
+
+    The plugin is applied for what the rules call on vLLM's ``KVCacheManager``
+    (``rewind_num_cached_blocks``); no scheduler hook runs: nothing is scheduled.
+    """
+    plugin.apply()
+    manager = make_scheduler(num_blocks=16).kv_cache_manager
+    pool = graft(manager.block_pool)
+    assert pool is manager.block_pool
+    return pool, UncommittedPrefixCache(manager)
+
+
+def failed_step() -> Any:
+    """An output for a step that reports failed loads and admitted nobody."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return SchedulerOutput.make_empty()
 
 
 def _hit(pool: Any, key: Any) -> Any:
@@ -64,15 +78,15 @@ def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
     siblings keep their hash and stay hittable (kvcached #401 shape)."""
     scheduler, key, siblings, tokens = duplicated_decode_block()
     pool = scheduler.kv_cache_manager.block_pool
-    ledger = ledger_of(scheduler)
-    assert ledger is not None
+    guard = guard_of(scheduler)
+    assert guard is not None
     z = make_request("z", tokens)
-    ledger.begin_step()
+    guard.begin_step()
     fresh = pool.get_new_blocks(2)
     pool.cache_full_blocks(z, fresh, 0, 2, 16, 0)
     assert key in {block.block_hash for block in fresh}
-    ledger.rollback_preempted("z")
-    ledger.abandon_step()
+    guard.preempted(z)
+    guard.begin_step()  # the step never ran: what is left of it goes when the next begins
     assert all(block.block_hash is None for block in fresh)
     assert all(sibling.block_hash == key for sibling in siblings)
     assert _hit(pool, key) in siblings
@@ -80,34 +94,34 @@ def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
 
 def test_rollback_removes_exactly_one_pair_and_emits_block_removed() -> None:
     """Three blocks under one key; rolling back the uncommitted one leaves two."""
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     pool.enable_kv_cache_events = True
     request = make_request("r", list(range(1, 17)))
     committed = pool.get_new_blocks(2)
     for block in committed:
         pool.cache_full_blocks(request, [block], 0, 1, 16, 0)
     key = committed[0].block_hash
-    ledger.begin_step()
+    rules.begin_step()
     (fresh,) = pool.get_new_blocks(1)
     pool.cache_full_blocks(request, [fresh], 0, 1, 16, 0)
     assert pool.cached_block_hash_to_block.contain(key, fresh.block_id)
     pool.take_events()
-    ledger.rollback_preempted("r")
+    rules.rollback_preempted("r", 0)
     assert fresh.block_hash is None
     assert not pool.cached_block_hash_to_block.contain(key, fresh.block_id)
     assert all(pool.cached_block_hash_to_block.contain(key, b.block_id) for b in committed)
     (event,) = pool.take_events()
     assert type(event).__name__ == "BlockRemoved"
-    assert ledger.stats.rolled_back_preempted == 1
+    assert pool.guard_removed == 1
 
 
 def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     a = make_request("a", list(range(1, 17)))
-    ledger.begin_step()
+    rules.begin_step()
     (block,) = pool.get_new_blocks(1)
     pool.cache_full_blocks(a, [block], 0, 1, 16, 0)
-    ledger.dispatch_step(output := object())
+    rules.end_step(output := failed_step())
     # The block is freed, evicted for reuse and re-registered under the same key by b.
     pool.free_blocks([block])
     while True:
@@ -116,26 +130,26 @@ def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
             break
     b = make_request("b", list(range(1, 17)))
     pool.cache_full_blocks(b, [block], 0, 1, 16, 0)
-    undone = ledger.rollback_failed_loads(output, {block.block_id})
-    assert undone == {"a": {block.block_id}}
+    rollback = rules.rollback_failed_loads(output, {block.block_id}, set())
+    assert rollback.loaders == {"a": {block.block_id}}
     assert block.block_hash is not None  # b's registration survives
-    assert ledger.stats.stale_entries_skipped == 1
-    assert ledger.stats.rolled_back_kv_load_failure == 0
+    assert pool.guard_stale == 1
+    assert pool.guard_removed == 0
 
 
 def test_partial_key_rolls_back_alone() -> None:
     """A secondary (partial prefix) key is removed without touching the block's primary."""
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     request = make_request("r", list(range(1, 33)))
     (block,) = pool.get_new_blocks(1)
     # A 32-token cache block over 16-token hashes (hybrid layouts): full key at 32 tokens,
     # then a partial entry at the 16-token boundary inside it.
     pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
     primary = block.block_hash
-    ledger.begin_step()
+    rules.begin_step()
     secondary = pool.cache_partial_block(request, block, 16, 0, 32)
     assert secondary is not None and secondary != primary
-    ledger.rollback_preempted("r")
+    rules.rollback_preempted("r", 0)
     assert block.block_hash == primary
     assert not pool.cached_block_hash_to_block.contain(secondary, block.block_id)
     assert block.block_id not in pool.cached_block_hashes_by_block
@@ -147,25 +161,25 @@ def test_a_committed_partial_entry_is_not_lost_to_a_rolled_back_full_key() -> No
     key is registered on a block that carries a partial key, vLLM itself removes the
     partial key first (``cache_full_blocks``' partial->full promotion), whether the guard
     runs or not; a partial key added after a full key is rolled back alone (above)."""
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     request = make_request("r", list(range(1, 33)))
     (block,) = pool.get_new_blocks(1)
-    ledger.begin_step()
+    rules.begin_step()
     partial = pool.cache_partial_block(request, block, 16, 0, 32)
     assert partial is not None and block.block_hash is partial  # a partial primary
-    ledger.dispatch_step(written := object())
-    ledger.commit_step(written)
-    assert ledger.is_idle
-    ledger.begin_step()
+    rules.end_step(written := object())
+    rules.commit_step(written)
+    assert rules.num_steps_in_flight == 0 and pool.uncommitted_entries is None
+    rules.begin_step()
     pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
     full = block.block_hash
     assert full is not None and full != partial
     # vLLM's promotion dropped the committed partial entry before the guard did anything.
     assert not pool.cached_block_hash_to_block.contain(partial, block.block_id)
-    ledger.rollback_preempted("r")
+    rules.rollback_preempted("r", 0)
     assert block.block_hash is None
     assert block.block_id not in pool.cached_block_hashes_by_block
-    assert ledger.stats.rolled_back_preempted == 1
+    assert pool.guard_removed == 1
 
 
 def test_graft_is_idempotent_and_preserves_identity(guard: None) -> None:
@@ -188,10 +202,10 @@ def test_graft_refuses_a_pool_without_the_needed_internals() -> None:
         graft(ForeignPool())
 
 
-def test_disabled_prefix_caching_gets_no_ledger() -> None:
+def test_disabled_prefix_caching_gets_no_guard() -> None:
     plugin.apply()
     scheduler = make_scheduler(enable_prefix_caching=False)
-    assert ledger_of(scheduler) is None
+    assert guard_of(scheduler) is None
     driver = Driver(scheduler)
     driver.add(make_request("a", list(range(1, 40))))
     driver.run()
@@ -226,58 +240,59 @@ def test_pool_replaced_after_construction_is_grafted(guard: None) -> None:
         KVCacheCoordinator.__init__ = original_init  # type: ignore[method-assign]
     pool = scheduler.kv_cache_manager.block_pool
     assert isinstance(pool, ReplacementPool) and isinstance(pool, PrefixGuardPool)
-    ledger = ledger_of(scheduler)
-    assert ledger is not None and ledger.pool is pool
+    guard = guard_of(scheduler)
+    assert guard is not None and guard.pool is pool
 
 
 def test_a_partial_key_registered_again_since_is_not_rolled_back() -> None:
     """Records are told apart by identity: the block lost its keys and got equal ones again
     (a later registration, written by then); rolling back the old record must not take it."""
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     request = make_request("r", list(range(1, 33)))
     (block,) = pool.get_new_blocks(1)
     pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
-    ledger.begin_step()
+    rules.begin_step()
     recorded = pool.cache_partial_block(request, block, 16, 0, 32)
-    ledger.dispatch_step(output := object())
+    rules.end_step(output := failed_step())
     pool.evict_blocks({block.block_id})
     pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
     again = pool.cache_partial_block(request, block, 16, 0, 32)
     assert again == recorded and again is not recorded
-    assert ledger.rollback_failed_loads(output, {block.block_id}) == {"r": {block.block_id}}
+    rollback = rules.rollback_failed_loads(output, {block.block_id}, set())
+    assert rollback.loaders == {"r": {block.block_id}}
     assert pool.cached_block_hash_to_block.contain(again, block.block_id)
-    assert ledger.stats.stale_entries_skipped == 1
-    assert ledger.stats.rolled_back_kv_load_failure == 0
+    assert pool.guard_stale == 1
+    assert pool.guard_removed == 0
 
 
 def test_preemption_keeps_entries_its_dispatched_steps_write() -> None:
     """Under async scheduling a block's last token is known only once the step that
     sampled it reports, so the block is registered one step after the step that writes
     its KV. A victim preempted in that later step keeps the entry: the dispatched step
-    writes the block. It moves to that step's bucket (a failure or drop there undoes
+    writes the block. It moves to that step's record (a failure or drop there removes
     it); the victim's entries past its computed tokens go."""
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     request = make_request("r", list(range(1, 49)))
     blocks = pool.get_new_blocks(3)
-    ledger.begin_step()
-    ledger.dispatch_step(in_flight := object())  # writes tokens 0-31 (blocks 0 and 1)
-    ledger.begin_step()
+    rules.begin_step()
+    rules.end_step(in_flight := failed_step())  # writes tokens 0-31 (blocks 0 and 1)
+    rules.begin_step()
     pool.cache_full_blocks(request, blocks, 0, 3, 16, 0)  # 16, 32: written; 48: not yet
-    ledger.rollback_preempted("r", written_upto=32)
+    rules.rollback_preempted("r", num_written_tokens=32)
     assert [b.block_hash is not None for b in blocks] == [True, True, False]
-    assert ledger.stats.rolled_back_preempted == 1
-    ledger.abandon_step()
+    assert pool.guard_removed == 1
+    rules.begin_step()  # the open step never ran (its schedule() raised): undone here
     assert blocks[0].block_hash is not None  # no longer in the abandoned (open) step
-    assert ledger.uncommitted_entries == 2
-    ledger.rollback_failed_loads(in_flight, {blocks[0].block_id})
+    assert rules.num_uncommitted_entries == 2
+    rules.rollback_failed_loads(in_flight, {blocks[0].block_id}, set())
     assert all(b.block_hash is None for b in blocks)
 
 
 def test_preemption_without_computed_tokens_rolls_back_everything() -> None:
-    pool, ledger = guarded_pool()
+    pool, rules = guarded_pool()
     request = make_request("r", list(range(1, 33)))
     blocks = pool.get_new_blocks(2)
-    ledger.begin_step()
+    rules.begin_step()
     pool.cache_full_blocks(request, blocks, 0, 2, 16, 0)
-    ledger.rollback_preempted("r", written_upto=0)
+    rules.rollback_preempted("r", num_written_tokens=0)
     assert all(b.block_hash is None for b in blocks)

@@ -1,8 +1,8 @@
 """Upstream PR #43569's tests (``tests/v1/core/test_eager_cache_zombie.py``), re-expressed.
 
 The PR's tests drive ``KVCacheManager`` and its ``begin_step``/``rollback_uncommitted``
-API; here the same situations drive the real manager with the guard's ledger (or, on
-stock, without it) and assert both ways. Test 7 (preemption through the real
+API; here the same situations drive the real manager with the guard's rules (or, on
+stock, without them) and assert both ways. Test 7 (preemption through the real
 ``schedule()``) lives in ``test_preemption.py``; the PR's all-bucket rollback on
 preemption is deliberately *not* reproduced (test 6 pins the difference).
 """
@@ -20,14 +20,15 @@ from vllm_prefix_guard.diagnostics.factory import (
     make_scheduler,
 )
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-from vllm_prefix_guard.hooks import ledger_of
-from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard.hooks import guard_of
 from vllm_prefix_guard.pool import graft
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 
 
-def _manager_and_ledger(mode: str, **spec: Any) -> tuple[Any, StepLedger | None]:
+def _manager_and_guard(mode: str, **spec: Any) -> tuple[Any, SchedulerGuard | None]:
     scheduler = make_scheduler(**spec)
-    return scheduler.kv_cache_manager, ledger_of(scheduler)
+    return scheduler.kv_cache_manager, guard_of(scheduler)
 
 
 def _hashed(pool: Any) -> int:
@@ -36,15 +37,16 @@ def _hashed(pool: Any) -> int:
 
 def test_rollback_evicts_preempt_zombies(mode: str) -> None:
     """PR test 1: entries registered for a step that never runs do not survive free()."""
-    manager, ledger = _manager_and_ledger(mode, num_blocks=11)
+    manager, guard = _manager_and_guard(mode, num_blocks=11)
     a = make_request("a", list(range(1, 33)))
-    if ledger is not None:
-        ledger.begin_step()
+    if guard is not None:
+        guard.begin_step()
     manager.allocate_slots(a, 32)
     blocks = manager.get_blocks("a").blocks[0]
-    if ledger is not None:
-        assert ledger.open is not None and ledger.open.size == 2
-        ledger.rollback_preempted("a")
+    if guard is not None:
+        open_entries = guard.pool.uncommitted_entries
+        assert open_entries is not None and len(open_entries["a"]) == 2
+        guard.preempted(a)
     manager.free(a)
     superset = make_request("b", list(range(1, 33)) + [99] * 16)
     num_hit_tokens = manager.get_computed_blocks(superset)[1]
@@ -55,30 +57,32 @@ def test_rollback_evicts_preempt_zombies(mode: str) -> None:
     assert all(b.block_hash is None and b.ref_cnt == 0 for b in blocks)
 
 
-def _hybrid_manager(mode: str) -> tuple[Any, StepLedger | None]:
+def _hybrid_manager(mode: str) -> tuple[Any, UncommittedPrefixCache | None]:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     config = kv_cache_config(SchedulerSpec(num_blocks=30), hybrid_mamba=True)
     manager = KVCacheManager(
         config, max_model_len=1024, scheduler_block_size=16, hash_block_size=16
     )
-    ledger = StepLedger(graft(manager.block_pool)) if mode == "guard" else None
-    return manager, ledger
+    if mode != "guard":
+        return manager, None
+    graft(manager.block_pool)
+    return manager, UncommittedPrefixCache(manager)
 
 
 def test_rollback_covers_hybrid_attention_and_mamba_groups(mode: str) -> None:
     """PR test 2: every group's eager entries go, full attention and Mamba alike."""
-    manager, ledger = _hybrid_manager(mode)
+    manager, rules = _hybrid_manager(mode)
     a = make_request("a", list(range(1, 49)))
-    if ledger is not None:
-        ledger.begin_step()
+    if rules is not None:
+        rules.begin_step()
     manager.new_step_starts()
     assert manager.allocate_slots(a, 48) is not None
     pool = manager.block_pool
     groups = {key[-4:] for key in pool.cached_block_hash_to_block._cache}
     assert len(groups) == 2  # both groups registered eagerly
-    if ledger is not None:
-        ledger.rollback_preempted("a")
+    if rules is not None:
+        rules.rollback_preempted("a", a.num_computed_tokens)
     manager.free(a)
     assert _hashed(pool) == (4 if mode == "stock" else 0)
 
@@ -89,10 +93,10 @@ def test_normal_finish_keeps_committed_entries(guard: None) -> None:
     driver = Driver(scheduler)
     driver.add(make_request("a", list(range(1, 33)), max_tokens=1))
     driver.run()
-    ledger = ledger_of(scheduler)
-    assert ledger is not None and ledger.is_idle
+    scheduler_guard = guard_of(scheduler)
+    assert scheduler_guard is not None and scheduler_guard.is_idle
     assert _hashed(scheduler.kv_cache_manager.block_pool) == 2
-    assert ledger.stats.rolled_back == 0
+    assert scheduler_guard.stats.rolled_back == 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -106,11 +110,11 @@ def test_confirmed_registrations_are_not_tracked(
     """
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from vllm_prefix_guard.ledger import StepBucket
+    from vllm_prefix_guard.pool import PrefixGuardPool
 
     inside = {"depth": 0, "outside_records": 0}
     allocate_slots = KVCacheManager.allocate_slots
-    record = StepBucket.record
+    insert_block_hash = PrefixGuardPool._insert_block_hash
 
     def counting_allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
         inside["depth"] += 1
@@ -119,26 +123,28 @@ def test_confirmed_registrations_are_not_tracked(
         finally:
             inside["depth"] -= 1
 
-    def checking_record(self: Any, *args: Any) -> None:
-        if not inside["depth"]:
+    def checking_insert_block_hash(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorded = self.guard_recorded
+        result = insert_block_hash(self, *args, **kwargs)
+        if self.guard_recorded != recorded and not inside["depth"]:
             inside["outside_records"] += 1
-        record(self, *args)
+        return result
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", counting_allocate_slots)
-    monkeypatch.setattr(StepBucket, "record", checking_record)
+    monkeypatch.setattr(PrefixGuardPool, "_insert_block_hash", checking_insert_block_hash)
     scheduler = make_scheduler(num_blocks=40, async_scheduling=async_scheduling)
     driver = Driver(scheduler, depth=2 if async_scheduling else 1)
     for i in range(3):
         driver.add(make_request(f"r{i}", list(range(1, 71)), max_tokens=40))
     driver.run()
-    ledger = ledger_of(scheduler)
-    assert ledger is not None
-    assert ledger.stats.registrations_tracked > 0
+    scheduler_guard = guard_of(scheduler)
+    assert scheduler_guard is not None
+    assert scheduler_guard.counters()["registrations_tracked"] > 0
     assert inside["outside_records"] == 0
-    assert driver.violations == 0 and ledger.is_idle
+    assert driver.violations == 0 and scheduler_guard.is_idle
 
 
-def test_reset_prefix_cache_clears_ledger(guard: None) -> None:
+def test_reset_prefix_cache_clears_the_records(guard: None) -> None:
     """PR test 5: after a reset no stale entry can later unregister a reused block."""
     scheduler = make_scheduler(num_blocks=40, async_scheduling=True)
     driver = Driver(scheduler, depth=2)
@@ -146,12 +152,13 @@ def test_reset_prefix_cache_clears_ledger(guard: None) -> None:
         driver.add(make_request(f"r{i}", list(range(1, 81)), max_tokens=30))
     driver.step()
     driver.step()
-    ledger = ledger_of(scheduler)
-    assert ledger is not None and ledger.steps_in_flight >= 1
+    scheduler_guard = guard_of(scheduler)
+    assert scheduler_guard is not None and scheduler_guard.rules.num_steps_in_flight >= 1
     assert scheduler.reset_prefix_cache(reset_running_requests=True)
-    assert ledger.steps_in_flight == 0 and ledger.uncommitted_entries == 0
+    rules = scheduler_guard.rules
+    assert rules.num_steps_in_flight == 0 and rules.num_uncommitted_entries == 0
     driver.run()
-    assert driver.violations == 0 and ledger.is_idle
+    assert driver.violations == 0 and scheduler_guard.is_idle
 
 
 def test_steps_in_flight_commit_in_order_and_survive_abort(mode: str) -> None:
@@ -165,17 +172,17 @@ def test_steps_in_flight_commit_in_order_and_survive_abort(mode: str) -> None:
     driver.add(make_request("b", list(range(500, 532)), max_tokens=8))
     driver.schedule()
     driver.schedule()
-    ledger = ledger_of(scheduler)
-    if ledger is not None:
-        assert ledger.steps_in_flight == 2
+    guard = guard_of(scheduler)
+    if guard is not None:
+        assert guard.rules.num_steps_in_flight == 2
     driver.abort("b")
     driver.complete()
-    if ledger is not None:
-        assert ledger.steps_in_flight == 1
+    if guard is not None:
+        assert guard.rules.num_steps_in_flight == 1
     driver.run()
     late = make_request("late", list(range(500, 532)) + [7] * 16)
     num_hit_tokens = scheduler.kv_cache_manager.get_computed_blocks(late)[1]
     assert num_hit_tokens == 32  # b's blocks were written and stay hittable
     assert driver.violations == 0
-    if ledger is not None:
-        assert ledger.is_idle and ledger.stats.rolled_back == 0
+    if guard is not None:
+        assert guard.is_idle and guard.stats.rolled_back == 0

@@ -1,10 +1,11 @@
-"""The native-fix shape the guard looks for is the upstream patch's API, read from the patch.
+"""The native-fix shape the guard looks for is the upstream series' API, read from it.
 
-``targets.NATIVE_FIX`` names what the guard must find to step aside; ``upstream/*.patch``
-is the reference. Here the patch is applied to the installed vLLM's sources (vLLM 0.33.0,
-the release it is made for) and every name is read back from the patched code with
-``ast``: the class, the method and its parameters, or the attribute its constructor sets.
-``nox -s upstream`` then checks the live detection on the patched vLLM (its check d).
+``targets.NATIVE_FIX`` names what the guard must find to step aside; the upstream series
+(``upstream/series/*.patch``, in order) is the reference. Here the series is applied to
+the installed vLLM's sources (vLLM 0.33.0, the release it is made for) and every name is
+read back from the patched code with ``ast``: the class, the method and its parameters,
+or the attribute its constructor sets. ``nox -s upstream`` then checks the live
+detection on the patched vLLM (its check d).
 """
 
 from __future__ import annotations
@@ -26,32 +27,41 @@ sys.path.insert(0, str(ROOT / "upstream"))
 import tree  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not vllm.__version__.startswith("0.33.0"), reason="the patch is made for vLLM 0.33.0"
+    not vllm.__version__.startswith("0.33.0"), reason="the series is made for vLLM 0.33.0"
 )
 
 
 def patched_sources(tmp_path: Path) -> dict[str, ast.Module]:
-    """Module name -> the parsed patched source of every ``vllm/`` file the patch touches."""
-    patch = tree.single_patch()
+    """Module name -> the parsed patched source of every ``vllm/`` file the series
+    touches, its parts applied in order."""
+    assert tree.SERIES, "upstream/series holds no patch"
     package = tree.installed_vllm()
-    touched = [name for name in tree.patch_stats(patch)["files"] if name.startswith("vllm/")]
-    vllm_only = tmp_path / "vllm-only.patch"
-    sections = patch.read_text().split("diff --git ")
-    vllm_only.write_text(
-        "".join("diff --git " + s for s in sections[1:] if s.startswith("a/vllm/"))
-    )
+    touched: list[str] = []
+    for patch in tree.SERIES:
+        files = tree.patch_stats(patch)["files"]
+        assert isinstance(files, dict)
+        for name in files:
+            if name.startswith("vllm/") and name not in touched:
+                touched.append(name)
     for name in touched:
         destination = tmp_path / name
         destination.parent.mkdir(parents=True, exist_ok=True)
         source = package.parent / name
         if source.exists():
             shutil.copy2(source, destination)
-    subprocess.run(
-        ["patch", "-p1", "--batch", "--quiet", "-i", str(vllm_only)], cwd=tmp_path, check=True
-    )
+    for index, patch in enumerate(tree.SERIES):
+        vllm_only = tmp_path / f"vllm-only-{index}.patch"
+        sections = patch.read_text().split("diff --git ")
+        vllm_only.write_text(
+            "".join("diff --git " + s for s in sections[1:] if s.startswith("a/vllm/"))
+        )
+        subprocess.run(
+            ["patch", "-p1", "--batch", "--quiet", "-i", str(vllm_only)], cwd=tmp_path, check=True
+        )
     return {
         name[: -len(".py")].replace("/", "."): ast.parse((tmp_path / name).read_text())
         for name in touched
+        if (tmp_path / name).exists()
     }
 
 
@@ -85,16 +95,16 @@ def test_native_fix_shape_is_the_patch_api(tmp_path: Path) -> None:
     for owner, name, expected in targets.NATIVE_FIX:
         module = targets.NATIVE_FIX_MODULES[owner]
         cls = found.get((module, owner))
-        assert cls is not None, f"the patch defines no {owner} in {module}"
+        assert cls is not None, f"the series defines no {owner} in {module}"
         if expected is None:
             assert constructor_sets(cls, name), f"{owner}.__init__ does not set {name}"
             continue
         methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
-        assert name in methods, f"the patch's {owner} has no {name}"
+        assert name in methods, f"the series' {owner} has no {name}"
         assert arity(methods[name]) == expected, f"{owner}.{name} takes other parameters"
 
 
-def test_patch_adds_none_of_pr43569s_names(tmp_path: Path) -> None:
+def test_series_adds_none_of_pr43569s_names(tmp_path: Path) -> None:
     """PR #43569's names mean another fix to the guard (it refuses to start beside it)."""
     found = classes(patched_sources(tmp_path))
     for owner, name in targets.OTHER_SHAPES:

@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
-"""Prove the upstream patch (``nox -s upstream``): it applies to vLLM 0.33.0 and fixes the
-bug by itself, vLLM's own tests still pass, and the guard steps aside for it.
+"""Prove the upstream series (``nox -s upstream``): each prefix of it applies to vLLM 0.33.0
+and does what its part claims, vLLM's own tests still pass, and the guard steps aside for
+the whole series and refuses to run beside part of it.
 
-Builds two vLLM trees from the installed vLLM and its sdist's tests (``tree.py``), one
-patched, one not, each with ``upstream/tests/`` added as vLLM's PR adds them, then:
+Builds one vLLM tree per prefix of ``upstream/series/`` (``tree.py``: no part, part 1,
+parts 1-2), each with every part's vLLM-style tests added where vLLM keeps them, then:
 
-a. ``upstream/tests/`` pass on the patched tree, and each of them fails on the unpatched one;
-b. with the patched tree first on ``PYTHONPATH`` and ``VLLM_PREFIX_GUARD=0``, the project's
-   regression tests pass (the shadow-KV oracle judging vLLM's own fix) and the fuzzer reads
-   no bad KV in any configuration, with hit tokens, preemptions and computed tokens equal to
-   the guard's on unpatched vLLM (same seeds);
-c. vLLM's own unit tests (``tests/vllm_suite``, one selection) pass on the patched tree
-   wherever they pass unpatched; the one test the patch changes passes in its new form,
-   and fails in its old form against the patched vLLM;
-d. with ``VLLM_PREFIX_GUARD=1`` on the patched tree, the guard recognises the fix by its
+a. each part's tests fail on the tree before it and pass on every tree with it;
+b. judged by the shadow-KV oracle, with ``VLLM_PREFIX_GUARD=0``: on the whole series the
+   project's regression tests pass and the fuzzer reads no bad KV in any configuration,
+   with hit tokens, preemptions, computed tokens and steps equal to the guard's on
+   unpatched vLLM (same seeds); part 1 alone does so in every configuration without
+   failed KV loads, and the failed-load configurations' bad reads are measured;
+c. vLLM's own unit tests (``tests/vllm_suite``, one selection) pass on every prefix
+   wherever they pass unpatched; the one test part 2 changes passes in its new form, and
+   fails in its old form against the patched vLLM;
+d. with ``VLLM_PREFIX_GUARD=1``: on the whole series the guard recognises the fix by its
    shape, logs once that it steps aside, patches nothing, and (b)'s fuzz figures do not
-   change.
+   change; on part 1 alone it refuses to start, naming what part 2 adds;
+e. (``nox -s upstream-bench``) instructions per scheduler step, patched and not.
 
 Writes ``--out`` (JSON: every figure and verdict) and exits 1 if any check failed. Run with
 the Python of the vLLM 0.33.0 venv, from anywhere.
@@ -34,6 +37,9 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +53,7 @@ from hub_cache import write_hub_cache  # noqa: E402
 from run_vllm_suite import FAILED, compare  # noqa: E402
 
 #: The project's regression tests of the rollback rules: each shows bad KV on stock and
-#: none guarded; on the patched tree they run once, as ``native`` (tests/native_fix.py).
+#: none guarded; on the whole series they run once, as ``native`` (tests/native_fix.py).
 REGRESSION_TESTS = (
     "tests/test_preemption.py",
     "tests/test_kv_load_failure.py",
@@ -55,18 +61,32 @@ REGRESSION_TESTS = (
     "tests/test_sharing.py",
     "tests/fuzz/test_soak_regressions.py",
 )
-#: The test of vLLM's that asserts the hazard; the patch changes it.
+#: The test of vLLM's that asserts the hazard; part 2 changes it.
 CHANGED_VLLM_TEST = (
     "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py"
     "::test_sync_load_failure_with_shared_blocks"
 )
-#: Where upstream/tests/ go in vLLM's tree.
-TESTS_DEST = Path("tests/v1/core")
 #: The fuzz figures that must match the guard's exactly.
 EQUAL_FIGURES = ("hit_tokens", "preemptions", "computed_tokens", "steps")
 STEPS_ASIDE = "already ships its own fix"
 #: The checks, by name ("c:<selection>" holds vLLM's own tests of another selection).
 CHECKS = ("a", "b", "c", "d", "e")
+#: The trees, by how many parts of the series they carry.
+UNPATCHED, PART_1, SERIES = "unpatched", "part 1", "series"
+
+
+def tree_names() -> dict[str, int]:
+    """Tree name -> number of parts applied."""
+    names = {UNPATCHED: 0}
+    for count in range(1, len(tree.SERIES) + 1):
+        names[SERIES if count == len(tree.SERIES) else f"part {count}"] = count
+    return names
+
+
+def part_tests(part: Path) -> list[str]:
+    """The vLLM-style test files a part adds, by their path in vLLM's tree."""
+    directory = HERE / "parts" / part.stem
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("test_*.py"))
 
 
 class Env:
@@ -137,22 +157,65 @@ def pytest(tree_dir: Path | None, cwd: Path, args: list[str], env: dict, work: P
     return rc, junit_outcomes(xml)
 
 
+def in_parallel(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run independent jobs (each mostly one subprocess) two at a time: the machine's
+    two cores; returns each job's result by name."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def check_a(trees: dict[str, Path], env: Env, work: Path) -> dict[str, Any]:
-    """upstream/tests/: pass patched, each fails unpatched."""
-    files = [str(TESTS_DEST / p.name) for p in sorted((HERE / "tests").glob("test_*.py"))]
-    result: dict[str, Any] = {}
-    for name, tree_dir in trees.items():
-        environment = env(tree_dir, vllm_tests=True)
-        _, outcomes = pytest(tree_dir, tree_dir, files, environment, work, f"a-{name}")
-        result[name] = outcomes
-    patched, unpatched = result["patched"], result["unpatched"]
-    result["ok"] = (
-        bool(patched)
-        and set(patched) == set(unpatched)
-        and all(o == "passed" for o in patched.values())
-        and all(o.startswith(("failed", "error")) for o in unpatched.values())
-    )
-    return result
+    """Each part's tests fail on the tree before it and pass on every tree with it."""
+    files = [test for patch in tree.SERIES for test in part_tests(patch)]
+
+    def run_on(name: str) -> dict[str, str]:
+        label = f"a-on-{name.replace(' ', '-')}"
+        environment = env(trees[name], vllm_tests=True)
+        return pytest(trees[name], trees[name], files, environment, work, label)[1]
+
+    outcomes = in_parallel({name: partial(run_on, name) for name in trees})
+    by_count = {count: name for name, count in tree_names().items()}
+    parts: dict[str, Any] = {}
+    for number, patch in enumerate(tree.SERIES, start=1):
+        own = {f"{Path(test).stem}::" for test in part_tests(patch)}
+
+        def of_part(results: dict[str, str], own: set[str] = own) -> dict[str, str]:
+            return {k: o for k, o in results.items() if any(k.startswith(p) for p in own)}
+
+        before = of_part(outcomes[by_count[number - 1]])
+        with_part = {
+            by_count[count]: of_part(outcomes[by_count[count]])
+            for count in range(number, len(tree.SERIES) + 1)
+        }
+        parts[patch.stem] = {
+            "before": before,
+            "with": with_part,
+            "ok": bool(before)
+            and all(o.startswith(("failed", "error")) for o in before.values())
+            and all(
+                set(results) == set(before) and all(o == "passed" for o in results.values())
+                for results in with_part.values()
+            ),
+        }
+    lint = vllm_ruff(trees[SERIES], work)
+    return {
+        "parts": parts,
+        "vllm_ruff": lint,
+        "ok": all(part["ok"] for part in parts.values()) and lint["ok"],
+    }
+
+
+def vllm_ruff(tree_dir: Path, work: Path) -> dict[str, Any]:
+    """vLLM's own ruff settings (the tree's pyproject.toml) on every file the series
+    touches: lint and format, as vLLM's pre-commit runs them."""
+    touched = sorted({name for patch in tree.SERIES for name in tree.patch_stats(patch)["files"]})
+    results = {}
+    for name, args in (("check", ["check"]), ("format", ["format", "--check"])):
+        log = work / f"a-ruff-{name}.log"
+        command = [sys.executable, "-m", "ruff", *args, *touched]
+        results[name] = run(command, dict(os.environ), tree_dir, log)
+    return {"files": touched, **results, "ok": not any(results.values())}
 
 
 def fuzz(tree_dir: Path | None, modes: str, seeds: int, env: dict, work: Path, name: str):
@@ -173,22 +236,41 @@ def figures(config: dict, mode: str) -> dict[str, int]:
 
 
 def check_b(trees: dict[str, Path], env: Env, work: Path, seeds: int) -> dict[str, Any]:
-    """The patch alone: regression tests and the fuzzer, against the guard's figures."""
-    patched = trees["patched"]
-    rc, outcomes = pytest(
-        patched, ROOT, list(REGRESSION_TESTS), env(patched), work, "b-regression-patched"
-    )
+    """Each prefix alone, judged by the oracle, against the guard's figures."""
+    from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+
+    whole = trees[SERIES]
+    prefixes = {name: count for name, count in tree_names().items() if count}
+    jobs: dict[str, Callable[[], Any]] = {
+        "regression": partial(
+            pytest, whole, ROOT, list(REGRESSION_TESTS), env(whole), work, "b-regression"
+        ),
+        UNPATCHED: partial(
+            fuzz, None, "stock,guard,pr43569", seeds, env(None), work, "b-fuzz-unpatched"
+        ),
+    }
+    for name, count in prefixes.items():
+        jobs[name] = partial(
+            fuzz, trees[name], "stock", seeds, env(trees[name]), work, f"b-fuzz-{count}"
+        )
+    done = in_parallel(jobs)
+    rc, outcomes = done.pop("regression")
     regression_ok = rc == 0 and any(o == "passed" for o in outcomes.values())
     skipped = sorted(k for k, o in outcomes.items() if o.startswith("skipped"))
-    native = fuzz(patched, "stock", seeds, env(patched), work, "b-fuzz-patched")
-    reference = fuzz(None, "stock,guard,pr43569", seeds, env(None), work, "b-fuzz-unpatched")
+    reference = done.pop(UNPATCHED)
+    patched = done
     configs = {}
     for name, config in reference.items():
-        row = {mode: figures(config, mode) for mode in ("stock", "guard", "pr43569")}
-        row["patched"] = figures(native[name], "stock")
+        row: dict[str, Any] = {m: figures(config, m) for m in ("stock", "guard", "pr43569")}
         row["targeted"] = config["targeted"]
-        row["ok"] = row["patched"]["violations"] == 0 and all(
-            row["patched"][k] == row["guard"][k] for k in EQUAL_FIGURES
+        row["failed_loads"] = CONFIGS[name].failed_loads is not None
+        for tree_name in prefixes:
+            row[tree_name] = figures(patched[tree_name][name], "stock")
+        # Part 1 alone need not cover failed loads: those it measures.
+        covered = [SERIES] + ([] if row["failed_loads"] else [t for t in prefixes if t != SERIES])
+        row["ok"] = all(
+            row[t]["violations"] == 0 and all(row[t][k] == row["guard"][k] for k in EQUAL_FIGURES)
+            for t in covered
         )
         configs[name] = row
     return {
@@ -203,9 +285,11 @@ def check_b(trees: dict[str, Path], env: Env, work: Path, seeds: int) -> dict[st
     }
 
 
-def suite_outcomes(tests_tree: Path, vllm_tree: Path | None, selection: str, env: Env, work: Path):
+def suite_outcomes(
+    tests_tree: Path, vllm_tree: Path | None, selection: str, env: Env, work: Path, name: str
+):
     """vLLM's own tests of one selection, guard off, from ``tests_tree``."""
-    out = work / f"c-suite-{'patched' if vllm_tree else 'unpatched'}"
+    out = work / f"c-suite-{name.replace(' ', '-')}"
     cmd = [sys.executable, str(ROOT / "tests" / "vllm_suite" / "run_vllm_suite.py")]
     cmd += ["--vllm-tests", str(tests_tree), "--selection", selection, "--mode", "stock"]
     cmd += ["--out", str(out)]
@@ -216,39 +300,53 @@ def suite_outcomes(tests_tree: Path, vllm_tree: Path | None, selection: str, env
 
 
 def check_c(trees: dict[str, Path], env: Env, work: Path, selection: str) -> dict[str, Any]:
-    """vLLM's own tests: nothing that passes unpatched fails patched."""
-    rc_u, unpatched, wall_u = suite_outcomes(trees["unpatched"], None, selection, env, work)
-    patched_tree = trees["patched"]
-    rc_p, patched, wall_p = suite_outcomes(patched_tree, patched_tree, selection, env, work)
-    diff = compare(unpatched, patched, expected=[])
-    # The test the patch changes, in its old form, against the patched vLLM: it fails.
-    changed_file, function = CHANGED_VLLM_TEST.split("::")
-    old_file = Path(changed_file).with_name(f"{Path(changed_file).stem}_before_patch.py")
-    (patched_tree / old_file).write_text((trees["unpatched"] / changed_file).read_text())
-    _, old_form = pytest(
-        patched_tree,
-        patched_tree,
-        [f"{old_file}::{function}"],
-        env(patched_tree, vllm_tests=True),
-        work,
-        "c-old-form-on-patched",
+    """vLLM's own tests: nothing that passes unpatched fails on any prefix."""
+    done = in_parallel(
+        {
+            name: partial(
+                suite_outcomes,
+                trees[name],
+                trees[name] if count else None,
+                selection,
+                env,
+                work,
+                name,
+            )
+            for name, count in tree_names().items()
+        }
     )
-    changed = {k: o for k, o in patched.items() if k.startswith(CHANGED_VLLM_TEST)}
+    rc_u, unpatched, wall_u = done.pop(UNPATCHED)
+    prefixes: dict[str, Any] = {}
+    ok = rc_u in (0, 1) and bool(unpatched)
+    for name, (rc, outcomes, wall) in done.items():
+        diff = compare(unpatched, outcomes, expected=[])
+        prefixes[name] = {
+            "outcomes": summarize(outcomes),
+            "regressed": [f"{n}: {b} -> {a}" for n, b, a, _ in diff["unexpected"]],
+            "fixed": diff["fixed"],
+            "seconds": wall,
+        }
+        ok = ok and rc in (0, 1) and bool(outcomes) and not diff["unexpected"]
+    # The test part 2 changes, in its old form, against the whole series: it fails.
+    whole = trees[SERIES]
+    changed_file, function = CHANGED_VLLM_TEST.split("::")
+    old_file = Path(changed_file).with_name(f"{Path(changed_file).stem}_before_series.py")
+    (whole / old_file).write_text((trees[UNPATCHED] / changed_file).read_text())
+    environment = env(whole, vllm_tests=True)
+    _, old_form = pytest(
+        whole, whole, [f"{old_file}::{function}"], environment, work, "c-old-form-on-series"
+    )
+    _, new_form = pytest(whole, whole, [CHANGED_VLLM_TEST], environment, work, "c-new-form")
     return {
         "selection": selection,
         "unpatched": summarize(unpatched),
-        "patched": summarize(patched),
-        "regressed": [f"{n}: {b} -> {a}" for n, b, a, _ in diff["unexpected"]],
-        "fixed": diff["fixed"],
-        "changed_test_patched": changed,
-        "changed_test_old_form_on_patched": old_form,
-        "seconds": {"unpatched": wall_u, "patched": wall_p},
-        "ok": rc_u in (0, 1)
-        and rc_p in (0, 1)
-        and bool(patched)
-        and not diff["unexpected"]
-        and bool(changed)
-        and all(o == "passed" for o in changed.values())
+        "unpatched_seconds": wall_u,
+        "prefixes": prefixes,
+        "changed_test_new_form": new_form,
+        "changed_test_old_form": old_form,
+        "ok": ok
+        and bool(new_form)
+        and all(o == "passed" for o in new_form.values())
         and bool(old_form)
         and all(o.startswith("failed") for o in old_form.values()),
     }
@@ -296,27 +394,53 @@ print(json.dumps({
 )
 
 
-def check_d(trees: dict[str, Path], env: Env, work: Path, seeds: int, b: dict | None):
-    """The guard on the patched tree: it steps aside, and changes nothing."""
-    patched = trees["patched"]
-    probe = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        env=env(patched, guard=True),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+#: What the guard does on a tree with only part of the series.
+REFUSAL_PROBE = """
+import json
+from vllm_prefix_guard import plugin
+try:
+    plugin.apply()
+    print(json.dumps({"refused": None, "applied": plugin.is_applied()}))
+except BaseException as exc:
+    print(json.dumps({"refused": str(exc), "applied": plugin.is_applied()}))
+"""
+
+
+def probe(code: str, environment: dict[str, str]) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python; the last JSON line it prints."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environment, cwd=ROOT, capture_output=True, text=True
     )
-    lines = [line for line in probe.stdout.splitlines() if line.startswith("{")]
-    seen = json.loads(lines[-1]) if lines else {"error": probe.stderr[-2000:]}
-    guarded = fuzz(patched, "guard", seeds, env(patched, guard=True), work, "d-fuzz-guard-on")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": done.stderr[-2000:]}
+
+
+def check_d(trees: dict[str, Path], env: Env, work: Path, seeds: int, b: dict | None):
+    """The guard on the whole series steps aside and changes nothing; on part of it, it
+    refuses to start, naming what is missing."""
+    from vllm_prefix_guard import targets
+
+    whole = trees[SERIES]
+    seen = probe(PROBE, env(whole, guard=True))
+    guarded = fuzz(whole, "guard", seeds, env(whole, guard=True), work, "d-fuzz-guard-on")
     if b is not None:
-        before = {name: row["patched"] for name, row in b["fuzz"].items()}
-    else:  # run alone: (b)'s patched figures, measured here
-        guard_off = fuzz(patched, "stock", seeds, env(patched), work, "d-fuzz-guard-off")
+        before = {name: row[SERIES] for name, row in b["fuzz"].items()}
+    else:  # run alone: (b)'s figures on the series, measured here
+        guard_off = fuzz(whole, "stock", seeds, env(whole), work, "d-fuzz-guard-off")
         before = {name: figures(config, "stock") for name, config in guard_off.items()}
     unchanged = {
         name: before.get(name) == figures(config, "guard") for name, config in guarded.items()
     }
+    partial: dict[str, Any] = {}
+    for name, count in tree_names().items():
+        if 0 < count < len(tree.SERIES):
+            refusal = probe(REFUSAL_PROBE, env(trees[name], guard=True))
+            missing = [
+                f"{owner}.{member}"
+                for owner, member, _ in targets.NATIVE_FIX
+                if f"{owner}.{member}" in (refusal.get("refused") or "")
+            ]
+            partial[name] = {**refusal, "names_missing": missing}
     ok = (
         seen.get("native_fix") is not None
         and seen.get("applied") is False
@@ -325,8 +449,17 @@ def check_d(trees: dict[str, Path], env: Env, work: Path, seeds: int, b: dict | 
         and seen.get("project_classes_in_pool_mro") == []
         and seen.get("steps_aside_lines") == 1
         and all(unchanged.values())
+        and all(
+            p.get("refused") and p.get("applied") is False and p["names_missing"]
+            for p in partial.values()
+        )
     )
-    return {"guard_on_patched_tree": seen, "fuzz_unchanged": unchanged, "ok": ok}
+    return {
+        "guard_on_series": seen,
+        "fuzz_unchanged": unchanged,
+        "guard_on_part_of_series": partial,
+        "ok": ok,
+    }
 
 
 #: The step-cost cell: 256 running requests, synchronous FCFS (every column follows one
@@ -340,8 +473,8 @@ def check_e(trees: dict[str, Path], env: Env, work: Path) -> dict[str, Any]:
     script = ROOT / "benchmarks" / "instructions.py"
     columns: dict[str, Any] = {}
     for name, vllm_tree, wanted in (
-        ("unpatched", None, "stock,guard,pr43569"),
-        ("patched", trees["patched"], "stock"),
+        (UNPATCHED, None, "stock,guard,pr43569"),
+        (SERIES, trees[SERIES], "stock"),
     ):
         out = work / f"e-instructions-{name}.json"
         cmd = [sys.executable, str(script), "measure", "--cells", BENCH_CELL]
@@ -349,7 +482,7 @@ def check_e(trees: dict[str, Path], env: Env, work: Path) -> dict[str, Any]:
         run(cmd, env(vllm_tree), ROOT, work / f"e-instructions-{name}.log")
         [cell] = json.loads(out.read_text())["cells"]
         for column in wanted.split(","):
-            label = "patched (guard off)" if name == "patched" else column
+            label = "series (guard off)" if name == SERIES else column
             columns[label] = dict(cell[column])
     reference = columns["stock"]["instructions_per_step"]
     for figures_ in columns.values():
@@ -377,21 +510,26 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(","))
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    patch = tree.single_patch()
     trees = {
-        "patched": tree.build(args.vllm_tests, work / "patched", patch),
-        "unpatched": tree.build(args.vllm_tests, work / "unpatched", None),
+        name: tree.build(args.vllm_tests, work / name.replace(" ", "-"), tree.SERIES[:count])
+        for name, count in tree_names().items()
     }
-    for tree_dir in trees.values():
-        for test_file in sorted((HERE / "tests").glob("test_*.py")):
-            (tree_dir / TESTS_DEST / test_file.name).write_text(test_file.read_text())
+    # Every part's tests in every tree, where vLLM keeps them (a checks each both ways).
+    for patch in tree.SERIES:
+        for test in part_tests(patch):
+            for tree_dir in trees.values():
+                (tree_dir / test).write_text((HERE / "parts" / patch.stem / test).read_text())
     env = Env(work / "hf-home")
     # Checks not run this time keep their last results (the step cost is measured apart).
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(
         vllm=tree.installed_version(),
-        patch={"file": f"upstream/{patch.name}", **tree.patch_stats(patch)},
+        series=[
+            {"file": f"upstream/series/{patch.name}", **tree.patch_stats(patch)}
+            for patch in tree.SERIES
+        ],
     )
+    results.pop("patch", None)
     timings: dict[str, int] = {}
     for name, check in (
         ("a", lambda: check_a(trees, env, work)),

@@ -8,7 +8,7 @@ version, unpacked by ``scripts/fetch_vllm_tests.py``). With the tree first on
 ``PYTHONPATH``, ``import vllm`` runs the patched sources.
 
 Usage:
-    python upstream/tree.py --vllm-tests DIR --out DIR [--patch FILE] [--no-patch]
+    python upstream/tree.py --vllm-tests DIR --out DIR [--parts N]
 
 Standard library only; run with the Python of the venv whose vLLM is to be patched.
 """
@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PATCHES = sorted(HERE.glob("*.patch"))
+#: The upstream series, in order (series.py writes them).
+SERIES = sorted((HERE / "series").glob("*.patch"))
 
 
 def installed_vllm() -> Path:
@@ -51,13 +52,6 @@ def copy_package(source: Path, dest: Path) -> None:
         copy_function=link_or_copy,
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-
-
-def single_patch() -> Path:
-    """The one ``upstream/*.patch``."""
-    if len(PATCHES) != 1:
-        raise SystemExit(f"expected one upstream/*.patch, found {len(PATCHES)}")
-    return PATCHES[0]
 
 
 def installed_version() -> str:
@@ -101,8 +95,9 @@ def apply(patch: Path, tree: Path) -> None:
         raise SystemExit(f"{patch.name} does not apply cleanly:\n{output}")
 
 
-def build(vllm_tests: Path, out: Path, patch: Path | None) -> Path:
-    """Make ``out`` a vLLM tree (replacing any earlier one) and apply ``patch`` to it."""
+def build(vllm_tests: Path, out: Path, patches: list[Path]) -> Path:
+    """Make ``out`` a vLLM tree (replacing any earlier one) and apply ``patches`` to it,
+    in order."""
     if not (vllm_tests / "tests" / "__init__.py").is_file():
         raise SystemExit(f"{vllm_tests} holds no vLLM tests/ (run scripts/fetch_vllm_tests.py)")
     if out.exists():
@@ -111,7 +106,7 @@ def build(vllm_tests: Path, out: Path, patch: Path | None) -> Path:
     copy_package(installed_vllm(), out / "vllm")
     shutil.copytree(vllm_tests / "tests", out / "tests")
     shutil.copy2(vllm_tests / "pyproject.toml", out / "pyproject.toml")
-    if patch is not None:
+    for patch in patches:
         apply(patch, out)
     return out
 
@@ -120,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-tests", type=Path, required=True, help="fetch_vllm_tests DEST")
     parser.add_argument("--out", type=Path, required=True, help="the tree to (re)build")
-    parser.add_argument("--patch", type=Path, help="default: the one upstream/*.patch")
-    parser.add_argument("--no-patch", action="store_true", help="leave the tree unpatched")
+    parser.add_argument(
+        "--parts", type=int, default=len(SERIES), help="apply the first N parts (0: none)"
+    )
     args = parser.parse_args(argv)
-    patch = None if args.no_patch else (args.patch or single_patch())
-    tree = build(args.vllm_tests, args.out, patch)
-    print(f"vLLM tree {'patched with ' + patch.name if patch else '(unpatched)'}: {tree}")
+    patches = SERIES[: args.parts]
+    tree = build(args.vllm_tests, args.out, patches)
+    names = ", ".join(p.name for p in patches) or "(unpatched)"
+    print(f"vLLM tree with {names}: {tree}")
     return 0
 
 

@@ -375,7 +375,7 @@ def run_failing(
     from vllm.config import KVTransferConfig
 
     from vllm_prefix_guard import plugin
-    from vllm_prefix_guard.hooks import ledger_of
+    from vllm_prefix_guard.hooks import guard_of
 
     plugin.undo()
     if guard:
@@ -387,11 +387,11 @@ def run_failing(
         with in_process_engine(engine_args(model, kv_transfer_config=transfer)) as engine:
             run.build_s = time.monotonic() - start
             driver = _Driver(engine)
-            ledger = ledger_of(driver.core.scheduler)
-            assert (ledger is not None) == guard, "the guard is on exactly when asked"
+            scheduler_guard = guard_of(driver.core.scheduler)
+            assert (scheduler_guard is not None) == guard, "the guard is on exactly when asked"
 
             def counters() -> dict[str, int]:
-                return ledger.counters() if ledger is not None else {}
+                return scheduler_guard.counters() if scheduler_guard is not None else {}
 
             for shape in shapes:
                 run.shapes[shape.name] = driver.run_shape(shape, counters)

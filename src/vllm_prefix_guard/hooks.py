@@ -1,20 +1,20 @@
-"""Scheduler hooks: drive each scheduler's :class:`StepLedger` through a step's life.
+"""Scheduler hooks: call each scheduler's :class:`SchedulerGuard` where the series calls the rules.
 
-    Scheduler.__init__              attach a ledger to the (grafted) pool
+    Scheduler.__init__              attach a guard (rules over the grafted pool)
     KVCacheCoordinator.__setattr__  graft the mixin onto whatever pool gets assigned
-    Scheduler.schedule              begin the step; after it returns, resolve contested
-                                    blocks, then dispatch the bucket with its output
+    Scheduler.schedule              begin the step; end it with the output it returns
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
     Scheduler._update_waiting_for_remote_kv
-                                    pause recording: its registrations are confirmed
-    Scheduler.update_from_output    roll back failed KV loads, run, then commit the step
-    Scheduler.reset_prefix_cache    drop every bucket once the pool was reset
+                                    record nothing: a connector finished loading that KV
+    Scheduler.update_from_output    roll back failed KV loads first; after it, preempt
+                                    the readers of bad KV and commit the step
+    Scheduler.reset_prefix_cache    drop every record once the pool was reset
     Scheduler.shutdown              one summary line with the counters, last JSON write
 
-Data flows one way: hook -> ledger -> pool. Each wrapper carries the original's name,
-docstring and ``__wrapped__`` (``functools.wraps``), and on a scheduler without a ledger
-(prefix caching off, built before the guard was applied, a stand-in object) runs the
-original and nothing else.
+Data flows one way: hook -> guard -> rules -> pool. Each wrapper carries the original's
+name, docstring and ``__wrapped__`` (``functools.wraps``), and on a scheduler without a
+guard (prefix caching off, built before the guard was applied, a stand-in object) runs
+the original and nothing else.
 """
 
 from __future__ import annotations
@@ -25,39 +25,54 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from vllm_prefix_guard import metrics, recovery
-from vllm_prefix_guard.ledger import StepLedger
+from vllm_prefix_guard import metrics
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.patching import PatchRegistry
 from vllm_prefix_guard.pool import graft
+from vllm_prefix_guard.rules.kv_cache_manager import CachedBlockRewind
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 from vllm_prefix_guard.stats import STATS_FILE_ENV, StatsPublisher, stats_file_path
-from vllm_prefix_guard.targets import COORDINATOR, SCHEDULER, SCHEDULER_HOOKS, resolve
+from vllm_prefix_guard.targets import (
+    COORDINATOR,
+    MANAGER,
+    SCHEDULER,
+    SCHEDULER_HOOKS,
+    resolve,
+)
 
-LEDGER_ATTR = "_prefix_guard_ledger"
+GUARD_ATTR = "_prefix_guard"
 PUBLISHER_ATTR = "_prefix_guard_publisher"
 
 AnyFn = Callable[..., Any]
 
 
-def ledger_of(scheduler: Any) -> StepLedger | None:
-    """The ledger the guard attached to ``scheduler``, if any."""
-    ledger: StepLedger | None = getattr(scheduler, LEDGER_ATTR, None)
-    return ledger
+def guard_of(scheduler: Any) -> SchedulerGuard | None:
+    """The guard attached to ``scheduler``, if any."""
+    guard: SchedulerGuard | None = getattr(scheduler, GUARD_ATTR, None)
+    return guard
 
 
-def attach_ledger(scheduler: Any) -> StepLedger | None:
-    """Give ``scheduler`` a ledger over its pool; None when prefix caching is off."""
-    manager = scheduler.kv_cache_manager
-    if not manager.enable_caching:
+def attach_guard(
+    scheduler: Any, rules: UncommittedPrefixCache | None = None
+) -> SchedulerGuard | None:
+    """Give ``scheduler`` a guard over its pool (replacing any, before its first step);
+    None when prefix caching is off.
+
+    Args:
+        rules: the rules to run (default: :class:`UncommittedPrefixCache` itself;
+            diagnostics pass their subclasses, which observe or compare).
+    """
+    if not scheduler.kv_cache_manager.enable_caching:
         return None
-    pool = graft(manager.block_pool)  # normally grafted already, on assignment
-    ledger = StepLedger(pool)
-    setattr(scheduler, LEDGER_ATTR, ledger)
-    publisher = make_publisher(scheduler, ledger)
-    if publisher is not None:
-        setattr(scheduler, PUBLISHER_ATTR, publisher)
-        publisher.start()
-    return ledger
+    guard = SchedulerGuard(scheduler, rules)
+    setattr(scheduler, GUARD_ATTR, guard)
+    if getattr(scheduler, PUBLISHER_ATTR, None) is None:
+        publisher = make_publisher(scheduler)
+        if publisher is not None:
+            setattr(scheduler, PUBLISHER_ATTR, publisher)
+            publisher.start()
+    return guard
 
 
 def engine_labels(scheduler: Any) -> tuple[str, int, int]:
@@ -85,7 +100,7 @@ def engine_labels(scheduler: Any) -> tuple[str, int, int]:
     return (str(model) if model else "unknown"), engine, engines
 
 
-def make_publisher(scheduler: Any, ledger: StepLedger) -> StatsPublisher | None:
+def make_publisher(scheduler: Any) -> StatsPublisher | None:
     """The engine's counter files: its ``/metrics`` file in the run directory and the
     operator's stats file, if either is set up; None otherwise."""
     model, engine, engines = engine_labels(scheduler)
@@ -99,11 +114,11 @@ def make_publisher(scheduler: Any, ledger: StepLedger) -> StatsPublisher | None:
     if not paths:
         return None
     # A weak reference: the thread ends with the scheduler, it never keeps it alive.
-    counters = weakref.WeakMethod(ledger.counters)
+    owner = weakref.ref(scheduler)
 
     def read() -> dict[str, int] | None:
-        method = counters()
-        return None if method is None else method()
+        guard = guard_of(owner())
+        return None if guard is None else guard.counters()
 
     return StatsPublisher(read, paths, {"model_name": model, "engine": str(engine)})
 
@@ -115,7 +130,7 @@ def wrap_init(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        attach_ledger(self)
+        attach_guard(self)
 
     return __init__
 
@@ -123,18 +138,12 @@ def wrap_init(original: AnyFn) -> AnyFn:
 def wrap_schedule(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = ledger_of(self)
-        if ledger is None:
+        guard = guard_of(self)
+        if guard is None:
             return original(self, *args, **kwargs)
-        ledger.begin_step()
-        try:
-            output = original(self, *args, **kwargs)
-            if ledger.has_contested_blocks:
-                recovery.withdraw_dependents(self, output, ledger)
-        except BaseException:
-            ledger.abandon_step()
-            raise
-        ledger.dispatch_step(output)
+        guard.begin_step()
+        output = original(self, *args, **kwargs)
+        guard.end_step(output)
         return output
 
     return schedule
@@ -143,11 +152,9 @@ def wrap_schedule(original: AnyFn) -> AnyFn:
 def wrap_preempt_request(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = ledger_of(self)
-        if ledger is not None and ledger.open is not None:
-            # Its computed tokens are those of the steps already dispatched (this
-            # step's are added only when schedule() returns): those steps write them.
-            ledger.rollback_preempted(request.request_id, request.num_computed_tokens)
+        guard = guard_of(self)
+        if guard is not None:
+            guard.preempted(request)
         return original(self, request, *args, **kwargs)
 
     return _preempt_request
@@ -156,10 +163,10 @@ def wrap_preempt_request(original: AnyFn) -> AnyFn:
 def wrap_update_waiting_for_remote_kv(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def _update_waiting_for_remote_kv(self: Any, *args: Any, **kwargs: Any) -> Any:
-        ledger = ledger_of(self)
-        if ledger is None:
+        guard = guard_of(self)
+        if guard is None:
             return original(self, *args, **kwargs)
-        with ledger.paused():
+        with guard.written():
             return original(self, *args, **kwargs)
 
     return _update_waiting_for_remote_kv
@@ -170,22 +177,18 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
     def update_from_output(
         self: Any, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        ledger = ledger_of(self)
-        if ledger is None:
+        guard = guard_of(self)
+        if guard is None:
             return original(self, scheduler_output, model_runner_output, *args, **kwargs)
         kv_output = model_runner_output.kv_connector_output
-        undone = None
+        rollback = None
         if kv_output is not None and kv_output.invalid_block_ids:
             # Before the original: it may fail or free the requests involved.
-            undone = recovery.rollback_failed_loads(
-                self, scheduler_output, ledger, kv_output.invalid_block_ids
-            )
-            if undone:
-                recovery.rewind_cached_block_counts(self, undone)
+            rollback = guard.loads_failed(scheduler_output, kv_output.invalid_block_ids)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
-        if undone is not None and (undone or undone.readers):
-            recovery.preempt_failed_load_readers(self, ledger, undone)
-        ledger.commit_step(scheduler_output)
+        if rollback is not None:
+            guard.preempt_bad_kv_readers(rollback)
+        guard.commit_step(scheduler_output)
         return result
 
     return update_from_output
@@ -195,9 +198,9 @@ def wrap_reset_prefix_cache(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        ledger = ledger_of(self)
-        if ledger is not None:
-            ledger.sync_with_pool()
+        guard = guard_of(self)
+        if guard is not None:
+            guard.prefix_cache_reset()
         return result
 
     return reset_prefix_cache
@@ -207,9 +210,9 @@ def wrap_shutdown(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            ledger = ledger_of(self)
-            if ledger is not None:
-                report_counters(ledger, getattr(self, PUBLISHER_ATTR, None))
+            guard = guard_of(self)
+            if guard is not None:
+                report_counters(guard, getattr(self, PUBLISHER_ATTR, None))
         except Exception:  # reporting never stops vLLM's own shutdown
             logger().exception("vllm-prefix-guard: reporting the counters at shutdown failed")
         finally:
@@ -263,14 +266,30 @@ def install(registry: PatchRegistry) -> list[str]:
     coordinator_cls = resolve(COORDINATOR, "KVCacheCoordinator")
     registry.apply(coordinator_cls, "__setattr__", wrap_coordinator_setattr)
     patched.append("KVCacheCoordinator.__setattr__")
+    # What the series adds to KVCacheManager, installed as it is written there.
+    manager_cls = resolve(MANAGER, "KVCacheManager")
+    for name, method in vars(CachedBlockRewind).items():
+        if callable(method) and not name.startswith("__"):
+            registry.apply(manager_cls, name, added(method))
+            patched.append(f"KVCacheManager.{name}")
     return patched
 
 
-def report_counters(ledger: StepLedger, publisher: StatsPublisher | None) -> None:
+def added(method: AnyFn) -> Callable[[AnyFn | None], AnyFn]:
+    """The patch that adds ``method`` where the class had no such attribute."""
+
+    def make(original: AnyFn | None) -> AnyFn:
+        assert original is None, f"{method.__name__} is vLLM's own: the series is installed"
+        return method
+
+    return make
+
+
+def report_counters(guard: SchedulerGuard, publisher: StatsPublisher | None) -> None:
     """The counters' last write to their files, then one INFO line with them."""
     if publisher is not None:
         publisher.close()
-    counters = ledger.counters()
+    counters = guard.counters()
     logger().info(
         "vllm-prefix-guard counters: %s", " ".join(f"{k}={v}" for k, v in counters.items())
     )

@@ -75,7 +75,7 @@ def apply() -> list[str]:
         GuardUnsupportedError: an internal is missing or changed; nothing was patched.
     """
     global _registry, _patched, _skipped_for_upstream
-    from vllm_prefix_guard import hooks, metrics, targets
+    from vllm_prefix_guard import metrics, targets
 
     with _lock:
         if _registry is not None:
@@ -97,10 +97,15 @@ def apply() -> list[str]:
         if native.partial:
             raise targets.unsupported(
                 f"vLLM's own prefix-cache rollback ({', '.join(native.present)})",
-                f"is not in the shape the guard recognises ({native.describe()}), so the "
-                "guard will neither step aside for it nor run beside it",
+                f"is not the whole fix in the shape the guard recognises ({native.describe()}),"
+                " so the guard will neither step aside for it (leaving the rest unguarded) "
+                "nor run beside it",
+                "Install a vLLM with the whole upstream series, or one with none of it.",
             )
         targets.check_all()
+        # After the checks: the rules import vLLM's types when they are imported.
+        from vllm_prefix_guard import hooks
+
         registry = PatchRegistry()
         try:
             patched = hooks.install(registry)

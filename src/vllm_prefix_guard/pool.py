@@ -1,29 +1,37 @@
-"""A mixin grafted onto the scheduler's live ``BlockPool`` to record and undo registrations.
+"""A mixin grafted onto the scheduler's live ``BlockPool``: what the upstream series adds to it.
 
 vLLM's ``BlockHashToBlockMap`` already keeps every physical block registered under a
 key (``key -> {block_id: block}``): concurrent requests that materialise the same prefix
 each own a block under the same ``(block_hash, group_id)``. The mixin keeps that
-multi-block index as the single source of truth and adds two things on top:
+multi-block index as the single source of truth and adds what the upstream series adds
+to ``BlockPool`` (``upstream/series.py``), grafted instead of edited in:
 
-- *recording*: while a sink is set (:meth:`PrefixGuardPool.guard_record_into`, the
-  ledger's open step), every ``(key, block)`` pair that ``_insert_block_hash`` newly adds
-  is handed to it, attributed to the request whose ``cache_full_blocks`` /
-  ``cache_partial_block`` call made it, with the prefix length the key names;
-- *exact undo*: :meth:`PrefixGuardPool.guard_unregister` removes one recorded pair,
-  never a sibling block under the same key, and only if the block still holds that very
-  registration. vLLM builds a new key object for every registration, so identity (not
-  equality) tells a recorded registration from a later one of equal content: a block
-  evicted and re-registered since has an equal key, but not the same object.
+- *recording*: while ``uncommitted_entries`` holds the open step's record (set by
+  :class:`~vllm_prefix_guard.rules.uncommitted.UncommittedPrefixCache`), every
+  ``(key, block)`` pair that ``_insert_block_hash`` newly adds is appended to it, under
+  the request whose ``cache_full_blocks`` / ``cache_partial_block`` call made it, with
+  the prefix length the key names (the series passes ``request_id`` down instead);
+- *exact removal*: ``remove_uncommitted_entry``, inherited verbatim from
+  :mod:`vllm_prefix_guard.rules.block_pool`, plus one branch only a plugin needs: a pool
+  whose ``evict_blocks`` does more than drop hashes (kvcached's returns the block's
+  physical pages) evicts an unreferenced block through it.
 
+It also counts what it recorded and removed, and bumps :attr:`guard_epoch` on every
+successful ``reset_prefix_cache``: the scheduler hooks read these, never the other way.
 The mixin is grafted onto the instance (:func:`graft`), whatever class vLLM or kvcached
 built, so it relies on no constructor: :func:`graft` sets its state up.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from vllm_prefix_guard import kvcached_support, targets
+from vllm_prefix_guard.rules.block_pool import (
+    StepCacheEntries,
+    UncommittedEntry,
+    UncommittedEntryRemoval,
+)
 
 if TYPE_CHECKING:
     _PoolBase = Any
@@ -31,19 +39,11 @@ else:
     _PoolBase = object
 
 
-class RegistrationSink(Protocol):
-    """Where the pool reports the registrations of a step (the ledger's open bucket)."""
-
-    def record(
-        self, request_id: str | None, key: Any, block: Any, num_tokens: int | None = None
-    ) -> None: ...
-
-
-class PrefixGuardPool(_PoolBase):
+class PrefixGuardPool(UncommittedEntryRemoval, _PoolBase):
     """Cooperative mixin: every override calls ``super()`` and passes arguments through."""
 
-    # None: do not record (no step open, or a confirmed registration path).
-    _guard_sink: RegistrationSink | None
+    # The open step's record (None: no step open, or KV already written).
+    uncommitted_entries: StepCacheEntries | None
     # Request whose cache_*_block call is running; None for pool-driven moves (Mamba CoW).
     _guard_request_id: str | None
     # Bumped on every successful reset_prefix_cache (which drops all hashes at once).
@@ -51,28 +51,23 @@ class PrefixGuardPool(_PoolBase):
     # The pool's own evict_blocks does more than drop hashes (kvcached's returns the
     # block's physical pages): an undone block nobody holds is evicted through it.
     _guard_evict_releases: bool
+    # Entries recorded; entries removed that were still cached, and that were not.
+    guard_recorded: int
+    guard_removed: int
+    guard_stale: int
 
     def _guard_init_state(self) -> None:
-        self._guard_sink = None
+        self.uncommitted_entries = None
         self._guard_request_id = None
         self.guard_epoch = 0
+        self.guard_recorded = self.guard_removed = self.guard_stale = 0
         native = targets.resolve(targets.BLOCK_POOL, "BlockPool").evict_blocks
         self._guard_evict_releases = type(self).evict_blocks is not native
 
     # -- recording -------------------------------------------------------------------
 
-    def guard_record_into(self, sink: RegistrationSink | None) -> RegistrationSink | None:
-        """Hand every new registration to ``sink`` from now on (None: stop recording).
-
-        Returns:
-            The sink that was set before, so a caller can pause and resume recording.
-        """
-        previous = self._guard_sink
-        self._guard_sink = sink
-        return previous
-
     def cache_full_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._guard_sink is None:
+        if self.uncommitted_entries is None:
             return super().cache_full_blocks(request, *args, **kwargs)
         self._guard_request_id = request.request_id
         try:
@@ -81,7 +76,7 @@ class PrefixGuardPool(_PoolBase):
             self._guard_request_id = None
 
     def cache_partial_block(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._guard_sink is None:
+        if self.uncommitted_entries is None:
             return super().cache_partial_block(request, *args, **kwargs)
         self._guard_request_id = request.request_id
         try:
@@ -90,8 +85,8 @@ class PrefixGuardPool(_PoolBase):
             self._guard_request_id = None
 
     def _insert_block_hash(self, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
-        sink = self._guard_sink
-        if sink is None:
+        entries = self.uncommitted_entries
+        if entries is None:
             return super()._insert_block_hash(key, block, *args, **kwargs)
         # vLLM's own test for "already registered" (equality), asked before it acts: an
         # unhashed block is in no entry yet (every removal path clears all of its keys).
@@ -103,7 +98,12 @@ class PrefixGuardPool(_PoolBase):
         if is_new:
             # The prefix length the key names: which tokens' KV the block must hold.
             num_tokens = kwargs.get("num_tokens", args[0] if args else None)
-            sink.record(self._guard_request_id, key, block, num_tokens)
+            request_entries = entries.get(self._guard_request_id)
+            if request_entries is None:
+                entries[self._guard_request_id] = [(key, block, num_tokens)]
+            else:
+                request_entries.append((key, block, num_tokens))
+            self.guard_recorded += 1
         return result
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
@@ -112,38 +112,20 @@ class PrefixGuardPool(_PoolBase):
             self.guard_epoch += 1
         return reset
 
-    # -- undo ------------------------------------------------------------------------
+    # -- removal ---------------------------------------------------------------------
 
-    def guard_unregister(self, key: Any, block: Any) -> bool:
-        """Remove the recorded registration ``(key, block.block_id)``; emit ``BlockRemoved``.
-
-        A primary key takes the block's secondary (partial) keys with it: those were
-        added after it, on top of the same not-yet-written content. Sibling blocks under
-        ``key`` are never touched.
-
-        Returns:
-            False if the record is stale (the block no longer holds this registration:
-            evicted, possibly re-registered with an equal key since) or already undone.
-        """
-        if block.block_hash is key:
-            if block.ref_cnt == 0 and self._guard_evict_releases:
-                self.evict_blocks({block.block_id})
-                return True
-            removed = self._remove_cached_block_hashes(block)
+    def remove_uncommitted_entry(self, entry: UncommittedEntry) -> bool:
+        key, block, _ = entry
+        if block.block_hash is key and block.ref_cnt == 0 and self._guard_evict_releases:
+            self.evict_blocks({block.block_id})
+            removed = True
         else:
-            block_id = block.block_id
-            secondary = self.cached_block_hashes_by_block.get(block_id)
-            # Set membership is by equality; the recorded registration is this object.
-            if not secondary or not any(held is key for held in secondary):
-                return False
-            if self.cached_block_hash_to_block.pop(key, block_id) is None:
-                return False
-            secondary.discard(key)
-            if not secondary:
-                del self.cached_block_hashes_by_block[block_id]
-            removed = [key]
-        self._emit_block_removed_events(removed)
-        return bool(removed)
+            removed = super().remove_uncommitted_entry(entry)
+        if removed:
+            self.guard_removed += 1
+        else:
+            self.guard_stale += 1
+        return removed
 
 
 _GUARDED_CLASSES: dict[type, type] = {}
@@ -177,7 +159,7 @@ def graft(pool: Any, fresh: bool = False) -> Any:
     """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
 
     One guarded class is built per base class, so ``type(pool).__mro__`` reads
-    ``PrefixGuarded<Base> -> PrefixGuardPool -> <Base> -> ...``.
+    ``PrefixGuarded<Base> -> PrefixGuardPool -> UncommittedEntryRemoval -> <Base> -> ...``.
 
     Args:
         pool: the pool vLLM (or kvcached) built.

@@ -1,6 +1,6 @@
 """Counters an operator can read: what the guard tracked, rolled back, and why.
 
-Each scheduler's ledger owns one :class:`GuardStats`. Nothing here runs on the step path:
+Each scheduler's guard owns one :class:`GuardStats`. Nothing here runs on the step path:
 a :class:`StatsPublisher` thread copies the counters into JSON files when they changed
 (checked once a second) and once more when the scheduler shuts down. Those files feed
 ``/metrics`` (:mod:`vllm_prefix_guard.metrics`) and, if the operator asks for one with
@@ -31,7 +31,7 @@ STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
 
 @dataclass
 class GuardStats:
-    """Counters of one scheduler's ledger. Entries are (block hash key, block id) pairs."""
+    """Counters of one scheduler's guard. Entries are (block hash key, block id) pairs."""
 
     # Steps whose registrations were committed by update_from_output.
     steps_committed: int = 0

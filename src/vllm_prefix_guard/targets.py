@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any
 
 from vllm_prefix_guard.errors import DISABLE_HINT, GuardUnsupportedError
+from vllm_prefix_guard.patching import PATCH_MARKER
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"
@@ -46,6 +47,8 @@ class Kind(Enum):
     FIELD = "field"
     #: An instance attribute: a field, a property, or assigned by a constructor in the MRO.
     ATTRIBUTE = "attribute"
+    #: A name a module defines (a class or type the rules import).
+    NAME = "name"
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,6 @@ def _attributes(module: str, owner: str, used_by: str, *names: str) -> tuple[Int
 _HOOK = "scheduler hook"
 _POOL = "pool mixin"
 _LOAD = "KV-load failure rollback"
-_DEPENDENTS = "same-step dependents"
 
 #: Scheduler methods the guard wraps (each logged once when patched).
 SCHEDULER_HOOKS: tuple[Internal, ...] = (
@@ -136,31 +138,10 @@ POOL_INTERNALS: tuple[Internal, ...] = (
     *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash"),
 )
 
-#: Per-request columns of ``CachedRequestData``: ``list`` fields are indexed like
-#: ``req_ids`` (or empty when unused); ``set``/``dict`` fields are keyed by request id.
-#: Withdrawing a request from a step rewrites each; any other field stops start-up.
-CACHED_REQUEST_COLUMNS: dict[str, type] = {
-    "req_ids": list,
-    "resumed_req_ids": set,
-    "new_token_ids": list,
-    "all_token_ids": dict,
-    "new_block_ids": list,
-    "num_computed_tokens": list,
-    "num_output_tokens": list,
-}
-
-#: Everything else, on the paths that run rarely: KV-load failures and their sharers,
-#: same-step dependents withdrawn from a step, the manager state both rewrite.
+#: Everything else, on the paths that run rarely: KV-load failures, their readers, the
+#: manager state the rewind of cached-block counts rewrites.
 RARE_PATH_INTERNALS: tuple[Internal, ...] = (
-    *_attributes(
-        SCHEDULER,
-        "Scheduler",
-        _LOAD,
-        "running",
-        "requests",
-        "kv_cache_manager",
-        "block_size",
-    ),
+    *_attributes(SCHEDULER, "Scheduler", _LOAD, "running", "kv_cache_manager"),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
     _callable(KV_CACHE_UTILS, "get_group_id", _LOAD, "key"),
@@ -176,55 +157,78 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
         "block_size",
     ),
     *_attributes(REQUEST, "Request", _LOAD, "request_id", "num_computed_tokens"),
-    *_fields(SCHEDULER_OUTPUT, "NewRequestData", _LOAD, "block_ids", "num_computed_tokens"),
+    *_fields(
+        SCHEDULER_OUTPUT, "SchedulerOutput", _LOAD, "scheduled_new_reqs", "scheduled_cached_reqs"
+    ),
+    *_fields(
+        SCHEDULER_OUTPUT, "NewRequestData", _LOAD, "req_id", "block_ids", "num_computed_tokens"
+    ),
     *_fields(
         SCHEDULER_OUTPUT,
         "CachedRequestData",
         _LOAD,
+        "req_ids",
         "resumed_req_ids",
         "new_block_ids",
         "num_computed_tokens",
     ),
-    *_attributes(REQUEST, "Request", _DEPENDENTS, "num_in_flight_tokens"),
-    *_fields(
-        SCHEDULER_OUTPUT,
-        "SchedulerOutput",
-        _DEPENDENTS,
-        "scheduled_new_reqs",
-        "scheduled_cached_reqs",
-        "num_scheduled_tokens",
-        "total_num_scheduled_tokens",
-        "scheduled_spec_decode_tokens",
-        "scheduled_encoder_inputs",
-    ),
-    *_fields(SCHEDULER_OUTPUT, "NewRequestData", _DEPENDENTS, "req_id"),
-    *_fields(SCHEDULER_OUTPUT, "CachedRequestData", _DEPENDENTS, "req_ids"),
+)
+
+_RULES = "rules (imported)"
+
+#: What the rules import from vLLM (``vllm_prefix_guard.rules``): checked before they are.
+RULES_IMPORTS: tuple[Internal, ...] = tuple(
+    Internal(module, name, Kind.NAME, _RULES)
+    for module, name in (
+        (KV_CACHE_UTILS, "BlockHashWithGroupId"),
+        (KV_CACHE_UTILS, "KVCacheBlock"),
+        (MANAGER, "KVCacheManager"),
+        (SCHEDULER_OUTPUT, "SchedulerOutput"),
+        (REQUEST, "Request"),
+    )
 )
 
 #: The one list: everything :func:`check_all` verifies before the first patch.
-INTERNALS: tuple[Internal, ...] = SCHEDULER_HOOKS + POOL_INTERNALS + RARE_PATH_INTERNALS
+INTERNALS: tuple[Internal, ...] = (
+    SCHEDULER_HOOKS + POOL_INTERNALS + RARE_PATH_INTERNALS + RULES_IMPORTS
+)
 
-#: The module vLLM's own fix adds (upstream/prefix-cache-commit.patch).
+#: The modules vLLM's own fix adds (upstream/series/).
 UNCOMMITTED = "vllm.v1.core.sched.uncommitted"
-#: vLLM's own fix, in the shape upstream/prefix-cache-commit.patch gives it (the patch is
-#: the reference: tests/test_upstream_patch.py applies it and reads these names back):
-#: the scheduler keeps an ``UncommittedPrefixCache`` whose steps it begins, ends, commits
-#: and rolls back, and the pool removes one uncommitted entry exactly. ``(owner, name,
-#: parameters besides self)``; ``None``: an attribute the owner's constructor sets. The
-#: guard steps aside only when all of it is there in this shape.
-NATIVE_FIX: tuple[tuple[str, str, int | None], ...] = (
-    ("Scheduler", "uncommitted_prefix_cache", None),
-    ("UncommittedPrefixCache", "begin_step", 0),
-    ("UncommittedPrefixCache", "end_step", 1),
-    ("UncommittedPrefixCache", "commit_step", 1),
-    ("UncommittedPrefixCache", "rollback_preempted", 2),
-    ("UncommittedPrefixCache", "rollback_failed_loads", 3),
-    ("BlockPool", "remove_uncommitted_entry", 1),
+FAILED_KV_LOADS = "vllm.v1.core.sched.failed_kv_loads"
+#: vLLM's own fix, in the shape the upstream series gives it (the series is the
+#: reference: tests/test_upstream_patch.py applies it and reads these names back), by
+#: part: the scheduler keeps an ``UncommittedPrefixCache`` whose steps it begins, ends,
+#: commits, resets and rolls back, and the pool removes one uncommitted entry exactly
+#: (part 1, the commit fence); failed KV loads are rolled back and the manager rewinds
+#: its cached-block counts (part 2). ``(owner, name, parameters besides self)``;
+#: ``None``: an attribute the owner's constructor sets. The guard steps aside only when
+#: all of it is there in this shape.
+NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
+    "part 1 (the commit fence)": (
+        ("Scheduler", "uncommitted_prefix_cache", None),
+        ("UncommittedPrefixCache", "begin_step", 0),
+        ("UncommittedPrefixCache", "end_step", 1),
+        ("UncommittedPrefixCache", "commit_step", 1),
+        ("UncommittedPrefixCache", "reset", 0),
+        ("UncommittedPrefixCache", "written", 0),
+        ("UncommittedPrefixCache", "rollback_preempted", 2),
+        ("BlockPool", "remove_uncommitted_entry", 1),
+    ),
+    "part 2 (failed KV loads)": (
+        ("UncommittedPrefixCache", "rollback_failed_loads", 3),
+        ("FailedKVLoads", "reads_bad_kv", 1),
+        ("KVCacheManager", "rewind_num_cached_blocks", 1),
+    ),
+}
+NATIVE_FIX: tuple[tuple[str, str, int | None], ...] = tuple(
+    name for names in NATIVE_FIX_PARTS.values() for name in names
 )
 #: Where each owner lives.
 NATIVE_FIX_MODULES = {
     "Scheduler": SCHEDULER,
     "UncommittedPrefixCache": UNCOMMITTED,
+    "FailedKVLoads": FAILED_KV_LOADS,
     "BlockPool": BLOCK_POOL,
     "KVCacheManager": MANAGER,
 }
@@ -263,6 +267,17 @@ class NativeFix:
     def describe(self) -> str:
         if self.complete:
             return ", ".join(self.present)
+        parts = [
+            part
+            for part, names in NATIVE_FIX_PARTS.items()
+            if not any(f"no {o}.{n}" in self.problems for o, n, _ in names)
+        ]
+        lacking = [part for part in NATIVE_FIX_PARTS if part not in parts]
+        if parts and lacking and all(p.startswith("no ") for p in self.problems):
+            return (
+                f"it has {', '.join(parts)} of the upstream series but not "
+                f"{', '.join(lacking)}: {'; '.join(self.problems)}"
+            )
         return "; ".join(self.problems)
 
 
@@ -304,7 +319,7 @@ def native_fix() -> NativeFix:
                 problems.append(f"no {qualname}")
             continue
         fn = inspect.getattr_static(cls, name, None) if cls is not None else None
-        if fn is None:
+        if fn is None or getattr(fn, PATCH_MARKER, False):  # absent, or the guard's own
             problems.append(f"no {qualname}")
             continue
         present.append(qualname)
@@ -361,6 +376,11 @@ def check(internal: Internal) -> Any:
         raise unsupported(internal.qualname, f"cannot be imported ({exc})") from exc
     if internal.kind is Kind.CALLABLE:
         return _check_callable(internal, owner)
+    if internal.kind is Kind.NAME:
+        try:
+            return resolve(internal.module, internal.path)
+        except (ImportError, AttributeError) as exc:
+            raise unsupported(internal.qualname, f"cannot be imported ({exc})") from exc
     assert owner is not None, f"{internal.qualname}: fields and attributes belong to a class"
     if internal.kind is Kind.FIELD:
         if internal.name not in declared_fields(owner):
@@ -450,25 +470,12 @@ def check_coordinator() -> Any:
     return coordinator
 
 
-def check_cached_request_columns() -> None:
-    """Every field of ``CachedRequestData`` is a per-request column the guard can rewrite."""
-    cls = resolve(SCHEDULER_OUTPUT, "CachedRequestData")
-    unknown = sorted(declared_fields(cls) - CACHED_REQUEST_COLUMNS.keys())
-    if unknown:
-        raise unsupported(
-            f"{SCHEDULER_OUTPUT}.CachedRequestData",
-            f"has fields the guard does not know how to withdraw a request from "
-            f"({', '.join(unknown)})",
-        )
-
-
 def all_checks() -> list[tuple[str, Callable[[], object]]]:
     """Every start-up check as ``(what it checks, run)``; ``run`` raises
     :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
     return [
         *((internal.qualname, partial(check, internal)) for internal in INTERNALS),
         (f"{COORDINATOR}.KVCacheCoordinator.block_pool", check_coordinator),
-        (f"{SCHEDULER_OUTPUT}.CachedRequestData (columns)", check_cached_request_columns),
     ]
 
 

@@ -50,7 +50,7 @@ from guard_demo.compare import (
 from guard_demo.workload import PROMPT_VOCAB
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
-from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.hooks import guard_of
 
 pytestmark = pytest.mark.e2e
 
@@ -116,7 +116,7 @@ class ScenarioRun:
     #: The class names of the scheduler's pool, outermost first (vLLM's, or kvcached's, and
     #: the guard's on top when it grafted one).
     pool_mro: list[str] = field(default_factory=list)
-    #: The guard's counters for this engine's scheduler, when it had a ledger.
+    #: The guard's counters for this engine's scheduler, when it had a guard.
     guard_counters: dict[str, int] | None = None
 
 
@@ -156,8 +156,8 @@ def run_scenario(model: Path, *, prefix_caching: bool) -> ScenarioRun:
         add("C", a_prompt, priority=0, max_tokens=OUTPUT_TOKENS)
         while engine.has_unfinished_requests():
             step()
-        ledger = ledger_of(core.scheduler)
-        run.guard_counters = ledger.counters() if ledger is not None else None
+        guard = guard_of(core.scheduler)
+        run.guard_counters = guard.counters() if guard is not None else None
     return run
 
 

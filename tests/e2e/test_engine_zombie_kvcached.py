@@ -99,9 +99,10 @@ def test_every_engine_ran_on_the_pool_it_should(runs: dict[str, Any]) -> None:
         guarded = "PrefixGuardPool" in run["pool_mro"]
         assert guarded == (mode == "guarded") == run["guard_applied"], (mode, run["pool_mro"])
     if WITH_KVCACHED:
-        assert runs["guarded"]["pool_mro"][:3] == [
+        assert runs["guarded"]["pool_mro"][:4] == [
             "PrefixGuardedElasticBlockPool",
             "PrefixGuardPool",
+            "UncommittedEntryRemoval",
             "ElasticBlockPool",
         ]
 

@@ -20,14 +20,13 @@ import pytest
 import vllm
 
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.fuzz.audit import LEFTOVER, VALID
+from vllm_prefix_guard.diagnostics.fuzz.audit import LEFTOVER, PREEMPTED, VALID
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.ledger import PREEMPTED
 
 
 @pytest.mark.slow
-@guard_only("the audit reads the guard's ledger")
+@guard_only("the audit is the guard's rules")
 def test_leftover_bytes_are_not_valid_kv_rolled_back() -> None:
     from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
 

@@ -26,9 +26,9 @@ def test_guarded_violation_exits_nonzero_with_a_reproducer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A guard that does nothing (its rollback disabled) must be caught and shrunk."""
-    from vllm_prefix_guard.ledger import StepLedger
+    from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
-    monkeypatch.setattr(StepLedger, "rollback_preempted", lambda self, *args: None)
+    monkeypatch.setattr(UncommittedPrefixCache, "rollback_preempted", lambda self, *args: None)
     argv = ["fuzz", "--seeds", "1", "--config", "victim", "--modes", "stock,guard"]
     assert main([*argv, "--shrink-seconds", "30"]) == 1
     out = capsys.readouterr().out

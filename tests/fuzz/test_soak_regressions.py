@@ -33,7 +33,7 @@ def test_soak_finding_stays_fixed(name: str, seed: int) -> None:
     guard = run_workload(workload, "guard", audit=not NATIVE_FIX_INSTALLED)
     assert guard.violations == 0, guard.examples[:5]
     if NATIVE_FIX_INSTALLED:
-        return  # the audit reads the guard's ledger; vLLM's own fix keeps none
+        return  # the audit is the guard's rules; vLLM's own fix runs no guard
     assert guard.audit is not None
     assert guard.audit.invalid_committed == 0, guard.audit.examples
     assert guard.audit.valid_rolled_back == 0, guard.audit.examples

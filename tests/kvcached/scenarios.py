@@ -37,14 +37,14 @@ import kvcached_cpu
 class Audit:
     """Counts what reaches the pool's hash index (``BlockHashToBlockMap.insert``, the one
     place vLLM's ``_insert_block_hash`` and so kvcached's native-index pool add an entry)
-    while a step is open, and what the ledger recorded, pair by pair."""
+    while the guard records a step, and what its pool recorded, pair by pair."""
 
     current: Audit | None = None
 
     def __init__(self, scheduler: Any) -> None:
-        from vllm_prefix_guard.hooks import ledger_of
+        from vllm_prefix_guard.hooks import guard_of
 
-        self.ledger = ledger_of(scheduler)
+        guarded = guard_of(scheduler) is not None
         self.inserted_open: list[tuple[Any, int]] = []
         self.inserted_outside_steps = 0
         self.recorded: list[tuple[Any, int]] = []
@@ -54,7 +54,8 @@ class Audit:
         insert = index.insert
 
         def audited_insert(key: Any, block: Any) -> None:
-            if self.ledger is not None and self.ledger.open is not None:
+            # A step's record is open on the pool (set by the guard's rules).
+            if guarded and pool.uncommitted_entries is not None:
                 self.inserted_open.append((key, block.block_id))
             else:
                 self.inserted_outside_steps += 1
@@ -65,19 +66,19 @@ class Audit:
 
     @staticmethod
     def install_recorder() -> None:
-        from vllm_prefix_guard.ledger import StepBucket
+        from vllm_prefix_guard.pool import PrefixGuardPool
 
-        record = StepBucket.record
+        insert_block_hash = PrefixGuardPool._insert_block_hash
 
-        def recording(
-            bucket: Any, request_id: str | None, key: Any, block: Any, *rest: Any
-        ) -> None:
+        def recording(pool: Any, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
+            recorded = pool.guard_recorded
+            result = insert_block_hash(pool, key, block, *args, **kwargs)
             audit = Audit.current
-            if audit is not None:
+            if audit is not None and pool.guard_recorded != recorded:
                 audit.recorded.append((key, block.block_id))
-            record(bucket, request_id, key, block, *rest)
+            return result
 
-        StepBucket.record = recording  # type: ignore[method-assign]
+        PrefixGuardPool._insert_block_hash = recording  # type: ignore[method-assign]
 
     def report(self) -> dict[str, Any]:
         pairs = list(zip(self.inserted_open, self.recorded, strict=False))
@@ -86,7 +87,7 @@ class Audit:
         )
         return {
             "inserted_while_step_open": len(self.inserted_open),
-            "recorded_by_ledger": len(self.recorded),
+            "recorded_by_guard": len(self.recorded),
             "each_recorded": same,
             "inserted_outside_steps": self.inserted_outside_steps,
             # kvcached's legacy index: stays empty when nothing bypasses vLLM's.
@@ -106,7 +107,7 @@ def make_scheduler(**kwargs: Any) -> Any:
 def pool_info(scheduler: Any) -> dict[str, Any]:
     from vllm.v1.core import block_pool as bp
 
-    from vllm_prefix_guard.hooks import ledger_of
+    from vllm_prefix_guard.hooks import guard_of
     from vllm_prefix_guard.pool import PrefixGuardPool
 
     manager = scheduler.kv_cache_manager
@@ -118,7 +119,7 @@ def pool_info(scheduler: Any) -> dict[str, Any]:
         "is_elastic": elastic is not None and isinstance(pool, elastic),
         "native_mixin": kvcached_cpu.native_mixin(type(pool)),
         "grafted": isinstance(pool, PrefixGuardPool),
-        "has_ledger": ledger_of(scheduler) is not None,
+        "has_guard": guard_of(scheduler) is not None,
         "shared": pool is manager.coordinator.block_pool
         and all(m.block_pool is pool for m in manager.coordinator.single_type_managers),
         "evict_releases": getattr(pool, "_guard_evict_releases", None),
@@ -127,9 +128,9 @@ def pool_info(scheduler: Any) -> dict[str, Any]:
 
 def verdict(driver: Any) -> dict[str, Any]:
     """What the shadow-KV worker saw, what vLLM reported, what the guard did."""
-    from vllm_prefix_guard.hooks import ledger_of
+    from vllm_prefix_guard.hooks import guard_of
 
-    ledger = ledger_of(driver.scheduler)
+    guard = guard_of(driver.scheduler)
     audit = Audit.current
     out: dict[str, Any] = {
         "violations": driver.violations,
@@ -140,10 +141,10 @@ def verdict(driver: Any) -> dict[str, Any]:
         "preemptions": driver.preemptions,
         "steps": len(driver.outputs),
         "pool": pool_info(driver.scheduler),
-        "stats": ledger.stats.as_dict() if ledger else None,
-        "idle": ledger.is_idle if ledger else None,
+        "stats": guard.counters() if guard else None,
+        "idle": guard.is_idle if guard else None,
     }
-    if ledger is not None and audit is not None:
+    if guard is not None and audit is not None:
         out["audit"] = audit.report()
     return out
 
@@ -277,29 +278,29 @@ def run_all() -> dict[str, Any]:
 
 
 def _guarded_pool() -> tuple[Any, Any, Any, Any]:
-    from vllm_prefix_guard.hooks import ledger_of
+    from vllm_prefix_guard.hooks import guard_of
 
     scheduler = make_scheduler(num_blocks=16)
-    ledger = ledger_of(scheduler)
-    assert ledger is not None
-    return scheduler, ledger, ledger.pool, kvcached_cpu.ALLOCATORS[-1]
+    guard = guard_of(scheduler)
+    assert guard is not None
+    return scheduler, guard, guard.pool, kvcached_cpu.ALLOCATORS[-1]
 
 
-def _step(ledger: Any, pool: Any, request: Any, blocks: list[Any]) -> object:
+def _step(guard: Any, pool: Any, request: Any, blocks: list[Any]) -> object:
     """One scheduler step's registrations of ``blocks`` for ``request``, dispatched."""
-    ledger.begin_step()
+    guard.begin_step()
     pool.cache_full_blocks(request, blocks, 0, len(blocks), 16, 0)
     output = object()
-    ledger.dispatch_step(output)
+    guard.end_step(output)
     return output
 
 
-def _empty_step_committed(ledger: Any) -> None:
+def _empty_step_committed(guard: Any) -> None:
     """A later step comes back first: every older step still in flight is dropped."""
-    ledger.begin_step()
+    guard.begin_step()
     output = object()
-    ledger.dispatch_step(output)
-    ledger.commit_step(output)
+    guard.end_step(output)
+    guard.commit_step(output)
 
 
 def duplicates() -> dict[str, Any]:
@@ -310,7 +311,7 @@ def duplicates() -> dict[str, Any]:
 
     from vllm_prefix_guard.diagnostics.factory import make_request
     from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-    from vllm_prefix_guard.hooks import ledger_of
+    from vllm_prefix_guard.hooks import guard_of
 
     scheduler = make_scheduler(num_blocks=40)
     driver = Driver(scheduler)
@@ -318,7 +319,8 @@ def duplicates() -> dict[str, Any]:
         driver.add(make_request(name, list(range(1, 17)), max_tokens=24))
     driver.run()
     pool = scheduler.kv_cache_manager.block_pool
-    ledger = ledger_of(scheduler)
+    guard = guard_of(scheduler)
+    assert guard is not None
     allocator = kvcached_cpu.ALLOCATORS[-1]
     key, siblings_map = next(
         (k, v) for k, v in pool.cached_block_hash_to_block._cache.items() if isinstance(v, dict)
@@ -337,12 +339,12 @@ def duplicates() -> dict[str, Any]:
     out: dict[str, Any] = {"siblings": len(siblings), "violations": driver.violations}
     # 1. A live copy (ref_cnt 1) registered in the open step, rolled back on preemption.
     z = make_request("z", tokens)
-    ledger.begin_step()
+    guard.begin_step()
     fresh = pool.get_new_blocks(2)
     pool.cache_full_blocks(z, fresh, 0, 2, 16, 0)
     out["live_copy_under_key"] = key in {b.block_hash for b in fresh}
-    ledger.rollback_preempted("z")
-    ledger.abandon_step()
+    guard.preempted(z)
+    guard.begin_step()  # the step never ran: what is left of it goes when the next begins
     out["live"] = {
         "copy_unhashed": [b.block_hash is None for b in fresh],
         "copy_not_owned": [b.block_id not in pool._block_id_to_key for b in fresh],
@@ -355,12 +357,12 @@ def duplicates() -> dict[str, Any]:
     #    undo evicts it through kvcached's evict_blocks, which frees its physical pages.
     w = make_request("w", tokens)
     fresh = pool.get_new_blocks(2)
-    _step(ledger, pool, w, fresh)
+    _step(guard, pool, w, fresh)
     pool.free_blocks(fresh)  # w aborted: cached blocks go to kvcached's evictable LRU
     ids = [b.block_id for b in fresh]
     in_lru = [i in pool._evictable_blocks for i in ids]
     freed_before = allocator.freed_total
-    _empty_step_committed(ledger)
+    _empty_step_committed(guard)
     out["dropped"] = {
         "in_lru_before_undo": in_lru,
         "in_lru_after_undo": [i in pool._evictable_blocks for i in ids],
@@ -369,7 +371,7 @@ def duplicates() -> dict[str, Any]:
         "freed_by_undo": allocator.freed_total - freed_before,
         **siblings_ok(),
     }
-    out["stats"] = ledger.stats.as_dict()
+    out["stats"] = guard.counters()
     return out
 
 
@@ -381,11 +383,11 @@ def stale(path: str, same_content: bool) -> dict[str, Any]:
 
     from vllm_prefix_guard.diagnostics.factory import make_request
 
-    _, ledger, pool, allocator = _guarded_pool()
+    _, guard, pool, allocator = _guarded_pool()
     blocks = pool.get_new_blocks(2)
     ids = [b.block_id for b in blocks]
     a = make_request("A", list(range(1, 33)))
-    _step(ledger, pool, a, blocks)
+    _step(guard, pool, a, blocks)
     freed_before = allocator.freed_total
     if path == "cap_trim":  # kvcached's LRU cap, trimmed inside free_blocks
         pool.max_cached_blocks = 0
@@ -410,13 +412,13 @@ def stale(path: str, same_content: bool) -> dict[str, Any]:
         "same_ids_reused": sorted(b.block_id for b in reused) == sorted(ids),
     }
     b = make_request("B", list(range(1, 33)) if same_content else list(range(500, 532)))
-    output = _step(ledger, pool, b, reused)
-    ledger.commit_step(output)  # A's step never came back: dropped, undone
+    output = _step(guard, pool, b, reused)
+    guard.commit_step(output)  # A's step never came back: dropped, undone
     keys = [make_block_hash_with_group_id(h, 0) for h in b.block_hashes[:2]]
     hits = [pool.get_cached_block(b.block_hashes[i], [0]) for i in range(2)]
     return {
         "evicted": evicted,
-        "stats": ledger.stats.as_dict(),
+        "stats": guard.counters(),
         "new_entries_survive": [
             pool.cached_block_hash_to_block.contain(k, blk.block_id)
             for k, blk in zip(keys, reused, strict=True)

@@ -70,13 +70,14 @@ def test_kvcached_patched_vllm_with_its_native_index_pool(order: str) -> None:
 @pytest.mark.parametrize("order", ORDERS)
 def test_guard_grafts_onto_kvcached_pool(order: str) -> None:
     pool = scenarios(order)["pool"]["pool"]
-    assert pool["pool_mro"][:4] == [
+    assert pool["pool_mro"][:5] == [
         "PrefixGuardedElasticBlockPool",
         "PrefixGuardPool",
+        "UncommittedEntryRemoval",
         "ElasticBlockPool",
         "NativeBlockPoolMixin",
     ]
-    assert pool["is_elastic"] and pool["grafted"] and pool["has_ledger"] and pool["shared"]
+    assert pool["is_elastic"] and pool["grafted"] and pool["has_guard"] and pool["shared"]
     # kvcached's evict_blocks returns physical pages: undone free blocks go through it.
     assert pool["evict_releases"]
 
@@ -120,7 +121,7 @@ def test_fcfs_hits_and_preemptions_equal_kvcached_alone(order: str, run: str) ->
 def test_every_registration_reaching_kvcached_index_is_recorded(order: str, run: str) -> None:
     audit = scenarios(order)["guarded"][run]["audit"]
     assert audit["inserted_while_step_open"] > 0
-    assert audit["recorded_by_ledger"] == audit["inserted_while_step_open"]
+    assert audit["recorded_by_guard"] == audit["inserted_while_step_open"]
     assert audit["each_recorded"]  # pair by pair: the same key object, the same block
     # Nothing goes around vLLM's index into kvcached's legacy one.
     assert audit["kvcached_legacy_index_entries"] == 0
@@ -205,8 +206,13 @@ def test_kvcached_legacy_pool_is_refused_at_start_up_naming_kvcached(order: str)
 def test_kvcached_installed_but_not_enabled_leaves_vllm_pool_to_the_guard(order: str) -> None:
     result = scenarios(order)
     pool = result["guard_on_vllm_pool"]["pool"]
-    assert pool["pool_mro"][:3] == ["PrefixGuardedBlockPool", "PrefixGuardPool", "BlockPool"]
-    assert pool["has_ledger"] and not pool["is_elastic"]
+    assert pool["pool_mro"][:4] == [
+        "PrefixGuardedBlockPool",
+        "PrefixGuardPool",
+        "UncommittedEntryRemoval",
+        "BlockPool",
+    ]
+    assert pool["has_guard"] and not pool["is_elastic"]
     assert (
         "active: the guard grafts onto kvcached's ElasticBlockPool"
         in (result["status_enabled"]["describe"])

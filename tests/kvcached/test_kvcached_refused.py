@@ -29,9 +29,10 @@ def test_kvcached_patches_this_vllm_with_its_legacy_pool() -> None:
 def test_not_enabled_the_guard_fixes_the_zombie_on_vllm_pool() -> None:
     disabled = scenarios("vllm_pool")["kvcached_disabled"]
     guarded, unguarded = disabled["zombie_sync"], disabled["zombie_sync_unguarded"]
-    assert guarded["pool"]["pool_mro"][:3] == [
+    assert guarded["pool"]["pool_mro"][:4] == [
         "PrefixGuardedBlockPool",
         "PrefixGuardPool",
+        "UncommittedEntryRemoval",
         "BlockPool",
     ]
     assert unguarded["violations"] > 0 and guarded["violations"] == 0

@@ -17,7 +17,7 @@ otherwise make the guarded run silently stock).
 
 ``--prefix-guard-report PATH`` writes a JSON file: the mode, the patched targets, each
 test's outcome, wall and CPU time, and (guarded) the node ids of the tests during which
-the guard attached a ledger to a scheduler or grafted a block pool, i.e. the tests that
+the guard attached itself to a scheduler or grafted a block pool, i.e. the tests that
 exercised it.
 """
 
@@ -37,7 +37,7 @@ _exercised: set[str] = set()
 _outcomes: dict[str, str] = {}
 # Per test: [wall seconds, CPU seconds of this process] over setup, call and teardown.
 _times: dict[str, list[float]] = {}
-_ledgers_attached = 0
+_guards_attached = 0
 _pools_grafted = 0
 
 
@@ -104,17 +104,17 @@ def _expect_guard() -> bool:
 
 
 def _count_guard_use() -> None:
-    """Count schedulers given a ledger and block pools grafted (guarded mode only), by
+    """Count schedulers given a guard and block pools grafted (guarded mode only), by
     wrapping the two functions the guard's hooks call for that."""
     from vllm_prefix_guard import hooks
 
-    attach_ledger, graft = hooks.attach_ledger, hooks.graft
+    attach_guard, graft = hooks.attach_guard, hooks.graft
 
-    def counting_attach_ledger(scheduler: Any) -> Any:
-        global _ledgers_attached
-        ledger = attach_ledger(scheduler)
-        _ledgers_attached += ledger is not None
-        return ledger
+    def counting_attach_guard(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        global _guards_attached
+        guard = attach_guard(scheduler, *args, **kwargs)
+        _guards_attached += guard is not None
+        return guard
 
     def counting_graft(pool: Any, *args: Any, **kwargs: Any) -> Any:
         global _pools_grafted
@@ -123,7 +123,7 @@ def _count_guard_use() -> None:
         _pools_grafted += not isinstance(pool, PrefixGuardPool)
         return graft(pool, *args, **kwargs)
 
-    hooks.attach_ledger = counting_attach_ledger
+    hooks.attach_guard = counting_attach_guard
     hooks.graft = counting_graft
 
 
@@ -160,7 +160,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    used_before = (_ledgers_attached, _pools_grafted)
+    used_before = (_guards_attached, _pools_grafted)
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         return (yield)
@@ -169,7 +169,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             round(time.perf_counter() - wall, 3),
             round(time.process_time() - cpu, 3),
         ]
-        if (_ledgers_attached, _pools_grafted) != used_before:
+        if (_guards_attached, _pools_grafted) != used_before:
             _exercised.add(item.nodeid)
 
 
@@ -208,7 +208,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "mode": "guard" if expected else "stock",
             "guard_state_ok": plugin.is_applied() == expected,
             "patched_targets": plugin.applied_targets(),
-            "ledgers_attached": _ledgers_attached,
+            "guards_attached": _guards_attached,
             "pools_grafted": _pools_grafted,
             "exercised": sorted(_exercised),
             "outcomes": _outcomes,

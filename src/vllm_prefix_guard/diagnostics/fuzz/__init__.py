@@ -5,7 +5,7 @@ Modules, one job each (data flows top to bottom):
 - ``workload``: a run as plain data (scheduler spec, engine depth, timed events);
 - ``generators``: seedable traffic, random and aimed at the failure windows;
 - ``configs``: named configurations (scheduler + depth + generators);
-- ``pr43569``: the comparator policy, rebinding one guard ledger's rollback scope;
+- ``pr43569``: the comparator policy, the guard's rules with PR #43569's rollback scope;
 - ``oracle``: the shadow-KV driver with the fuzzer's meters;
 - ``runner``: one workload in one mode -> exact counters;
 - ``differential``: every mode on the same seeds, totals and acceptance checks;

@@ -1,11 +1,14 @@
 """Rollback audit and ideal policy: which of the guard's rollbacks were needed?
 
-:class:`RollbackAudit` observes one guarded fuzz run's ledger (its public
-:class:`~vllm_prefix_guard.ledger.LedgerObserver` hook) and shadow-KV worker. Every entry
-the ledger undoes is classified against the shadow KV *as it stands once the dispatched
-steps ran*: at the end of the latest step dispatched when it was undone (a dispatched step
-is never cancelled, and a later one may rewrite the block), or right away if that step
-already ran; an entry a preemption takes out of the open step, at the end of that step.
+:class:`RollbackAudit` is the guard's rules (a subclass of
+:class:`~vllm_prefix_guard.rules.uncommitted.UncommittedPrefixCache` that calls every
+rule it overrides unchanged and only looks: ``tests/fuzz/test_diagnostics_observe.py``
+proves a run's counters and trajectory equal the plain guard's) run against one fuzz
+run's shadow-KV worker. Every entry the rules remove is classified against the shadow
+KV *as it stands once the dispatched steps ran*: at the end of the latest step
+dispatched when it was removed (a dispatched step is never cancelled, and a later one
+may rewrite the block), or right away if that step already ran; an entry a preemption
+takes out of the open step, at the end of that step.
 
 - ``valid``: the block holds exactly the KV the key names, written since the registering
   request was last admitted: the rollback dropped good KV;
@@ -19,15 +22,16 @@ already ran; an entry a preemption takes out of the open step, at the end of tha
   needed (found by ``reset-async`` at three times its horizon, seed 950007, vLLM 0.33);
 - ``stale``: the undo was a no-op (the block lost that registration since).
 
-Counts are kept per rollback cause (the ledger path that undid the entry). Two more rows
+Counts are kept per rollback cause (the rule that removed the entry). Two more rows
 close the loop: what each step *commits* (all of it must be valid, or a rollback was
-missed), and whether each request the ledger names a reader of bad KV counted wrong KV
+missed), and whether each request the rules name a reader of bad KV counted wrong KV
 as computed.
 
-:class:`IdealPolicy` is the ``ideal`` fuzz mode: the guard with every undo and reader
-preemption filtered by the shadow KV, so exactly what is wrong is undone. ``guard -
-ideal`` is then the guard's loss, and ``ideal - stock`` what safety changed (schedule
-divergence: stock read bad KV where the guard recomputed).
+:class:`IdealPolicy` is the ``ideal`` fuzz mode, a policy of its own (it decides): the
+guard with every removal and reader preemption filtered by the shadow KV, so exactly
+what is wrong is removed. ``guard - ideal`` is then the guard's loss, and ``ideal -
+stock`` what safety changed (schedule divergence: stock read bad KV where the guard
+recomputed).
 """
 
 from __future__ import annotations
@@ -37,8 +41,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_prefix_guard.diagnostics.shadow_kv import ShadowKV, ShadowWorker, TokenModel
-from vllm_prefix_guard.ledger import PREEMPTED, Entry, StepBucket, StepLedger
-from vllm_prefix_guard.recovery import admissions_of
+from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+
+# The rule that removed an entry, as the audit's rows name it.
+PREEMPTED = "preempted"
+LOADER = "kv_load_failure: loader, failing step"
+LOADER_LATER = "kv_load_failure: loader, later step in flight"
+READER = "kv_load_failure: reader, computed over bad KV"
+DROPPED_STEP = "dropped_step"
+ABANDONED_STEP = "abandoned_step"
 
 VALID, NEVER_WRITTEN, WRONG, FAILED_LOAD, LEFTOVER, STALE, UNKNOWN = (
     "valid",
@@ -115,13 +128,13 @@ class AuditCounts:
         self.examples.extend(other.examples[: max(0, 50 - len(self.examples))])
 
 
-class RollbackAudit:
-    """A :class:`~vllm_prefix_guard.ledger.LedgerObserver` that classifies every undo
-    and commit of one scheduler's ledger against a shadow-KV driver's worker."""
+class RollbackAudit(UncommittedPrefixCache):
+    """The guard's rules, classifying every removal and commit against a shadow-KV
+    driver's worker. Each override calls the rule it overrides and only observes."""
 
-    def __init__(self, scheduler: Any, ledger: StepLedger, driver: Any) -> None:
+    def __init__(self, scheduler: Any, driver: Any) -> None:
+        super().__init__(scheduler.kv_cache_manager)
         self.scheduler = scheduler
-        self.ledger = ledger
         self.driver = driver
         self.block_size: int = driver.worker.block_size
         self.counts = AuditCounts()
@@ -133,7 +146,7 @@ class RollbackAudit:
         self._pending: dict[int, list[tuple[str, Registration]]] = {}
         # step -> [(model, block ids, computed tokens)] of readers to judge.
         self._readers: dict[int, list[tuple[TokenModel | None, list[int], int]]] = {}
-        # (id(key), block id) -> registration, until committed or undone. vLLM builds a
+        # (id(key), block id) -> registration, until committed or removed. vLLM builds a
         # new key object per registration.
         self._regs: dict[tuple[int, int], Registration] = {}
         self._models: dict[str, TokenModel] = {}
@@ -141,7 +154,8 @@ class RollbackAudit:
         self._invalid_at: dict[int, set[int]] = {}
         # request -> the step that last admitted it (new or resumed).
         self._admitted_at: dict[str, int] = {}
-        ledger.observer = self
+        # The rule removing entries right now (set around each rule call).
+        self.cause = ""
         worker = driver.worker
         execute = worker.execute
 
@@ -153,52 +167,84 @@ class RollbackAudit:
 
         worker.execute = execute_and_classify
 
-    # -- LedgerObserver ----------------------------------------------------------------
+    # -- the rules, observed -----------------------------------------------------------
 
-    def step_dispatched(self, output: object, bucket: StepBucket) -> None:
+    def begin_step(self) -> None:
+        self.cause = ABANDONED_STEP
+        super().begin_step()
+
+    def end_step(self, scheduler_output: Any) -> None:
+        super().end_step(scheduler_output)
         step = self.step
-        self._step_of[id(output)] = self._step_of_dispatched[id(output)] = step
-        for admitted, _, _ in admissions_of(output):
+        key = id(scheduler_output)
+        self._step_of[key] = self._step_of_dispatched[key] = step
+        for admitted, _, _ in admissions(scheduler_output):
             self._admitted_at[admitted] = step
-        for request_id, entries in bucket.by_request.items():
+        for request_id, entries in self._in_flight[key][1].items():
             for entry in entries:
                 self._register(request_id, entry, step)
         self.step += 1
 
-    def loads_failed(self, output: object, invalid_block_ids: set[int]) -> None:
-        step = self._step_of_dispatched.get(id(output))
+    def rollback_preempted(self, req_id: str, num_written_tokens: int) -> None:
+        self.cause = PREEMPTED
+        super().rollback_preempted(req_id, num_written_tokens)
+
+    def rollback_failed_loads(
+        self, scheduler_output: Any, invalid_block_ids: set[int], running_req_ids: set[str]
+    ) -> FailedKVLoads:
+        step = self._step_of_dispatched.get(id(scheduler_output))
         if step is not None:
             self._invalid_at[step] = set(invalid_block_ids)
+        rollback = self.failed_kv_loads(running_req_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids)
+        rollback.readers = self.preempting_readers(rollback.readers)
+        return rollback
 
-    def undoing(self, cause: str, request_id: str | None, entries: list[Entry]) -> list[Entry]:
-        index = self.ledger.pool.cached_block_hash_to_block
-        for entry in entries:
-            key, block, _ = entry
-            # Entries of the open step, or moved into a step in flight after it was
-            # dispatched (kept on preemption: written by the latest step in flight).
-            reg = self._regs.pop((id(key), block.block_id), None) or self._register(
-                request_id, entry, self.step if cause == PREEMPTED else self.step - 1
-            )
-            self._regs.pop((id(key), block.block_id), None)
-            # Judged as the block will stand once every dispatched step ran: a later step
-            # in flight may rewrite it (a request vLLM rewound recomputes into blocks it
-            # had loaded), and a hit after this undo would read that.
-            judged_at = reg.step if cause == PREEMPTED else max(reg.step, self.step - 1)
-            if not (block.block_hash is key or index.contain(key, block.block_id)):
-                self.counts.add(cause, STALE, reg)
-            elif judged_at in self._executed:
-                self.counts.add(cause, self.verdict(reg, rolled_back=True), reg)
-            else:
-                self._pending.setdefault(judged_at, []).append((cause, reg))
-        return entries
+    def failed_kv_loads(self, running_req_ids: set[str]) -> FailedKVLoads:
+        """The rollback the rules build, observed (each removal tagged with its rule)."""
+        return AuditedFailedKVLoads(self, running_req_ids)
+
+    def commit_step(self, scheduler_output: Any) -> None:
+        """What the step of ``scheduler_output`` keeps (it ran already): all of it must
+        be valid. Older steps still in flight are dropped first."""
+        step_in_flight = self._in_flight.get(id(scheduler_output))
+        self.cause = DROPPED_STEP
+        super().commit_step(scheduler_output)
+        if step_in_flight is not None:
+            self._committed(scheduler_output, step_in_flight[1])
+
+    def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
+        key, block, _ = entry
+        # Entries of the open step, or moved into a step in flight after it was
+        # dispatched (kept on preemption: written by the latest step in flight).
+        cause = self.cause
+        reg = self._regs.pop((id(key), block.block_id), None) or self._register(
+            req_id, entry, self.step if cause == PREEMPTED else self.step - 1
+        )
+        self._regs.pop((id(key), block.block_id), None)
+        index = self.kv_cache_manager.block_pool.cached_block_hash_to_block
+        cached = block.block_hash is key or index.contain(key, block.block_id)
+        removed = super().remove_entry(req_id, entry)
+        # Judged as the block will stand once every dispatched step ran: a later step
+        # in flight may rewrite it (a request vLLM rewound recomputes into blocks it
+        # had loaded), and a hit after this removal would read that.
+        judged_at = reg.step if cause == PREEMPTED else max(reg.step, self.step - 1)
+        if not cached:
+            self.counts.add(cause, STALE, reg)
+        elif judged_at in self._executed:
+            self.counts.add(cause, self.verdict(reg, rolled_back=True), reg)
+        else:
+            self._pending.setdefault(judged_at, []).append((cause, reg))
+        return removed
 
     def preempting_readers(self, readers: set[str]) -> set[str]:
+        """Note the readers of bad KV the rules will preempt, to judge them once their
+        step ran; returns them (the ideal policy narrows them)."""
         manager = self.scheduler.kv_cache_manager
+        running = {r.request_id for r in self.scheduler.running}
         for request_id in readers:
             request = self.scheduler.requests.get(request_id)
-            if request is None or request.request_id not in {
-                r.request_id for r in self.scheduler.running
-            }:
+            if request is None or request_id not in running:
                 continue
             self._readers.setdefault(self.step - 1, []).append(
                 (
@@ -211,12 +257,11 @@ class RollbackAudit:
             self._judge_readers(self.step - 1)
         return readers
 
-    def step_committed(self, output: object, bucket: StepBucket) -> None:
-        """What the step of ``output`` keeps (it ran already): all of it must be valid."""
+    def _committed(self, output: object, entries: StepCacheEntries) -> None:
         step = self._step_of_dispatched.pop(id(output), None)
-        index = self.ledger.pool.cached_block_hash_to_block
-        for request_id, entries in bucket.by_request.items():
-            for entry in entries:
+        index = self.kv_cache_manager.block_pool.cached_block_hash_to_block
+        for request_id, request_entries in entries.items():
+            for entry in request_entries:
                 key, block, _ = entry
                 reg = self._regs.pop((id(key), block.block_id), None) or self._register(
                     request_id, entry, step if step is not None else self.step - 1
@@ -229,7 +274,7 @@ class RollbackAudit:
 
     # -- classification ----------------------------------------------------------------
 
-    def _register(self, request_id: str | None, entry: Entry, step: int) -> Registration:
+    def _register(self, request_id: str | None, entry: UncommittedEntry, step: int) -> Registration:
         key, block, num_tokens = entry
         reg = Registration(
             key,
@@ -315,33 +360,71 @@ class RollbackAudit:
         return self.counts
 
 
+class AuditedFailedKVLoads(FailedKVLoads):
+    """The rules' failed-load rollback, each removal tagged with the part of the rule
+    that made it (the walk itself is the base class's, unchanged)."""
+
+    uncommitted: RollbackAudit
+
+    def __init__(self, uncommitted: RollbackAudit, running_req_ids: set[str]) -> None:
+        super().__init__(uncommitted, running_req_ids)
+        self._cause: str | None = None
+
+    def _remove_loaders(self, entries: StepCacheEntries, invalid_block_ids: set[int]) -> set[str]:
+        self._cause = LOADER
+        try:
+            return super()._remove_loaders(entries, invalid_block_ids)
+        finally:
+            self._cause = None
+
+    def _remove_computed_from(
+        self, entries: StepCacheEntries, req_id: str, num_tokens: int
+    ) -> None:
+        self._cause = READER
+        try:
+            super()._remove_computed_from(entries, req_id, num_tokens)
+        finally:
+            self._cause = None
+
+    def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
+        # Called by the walk itself for a request tainted since an earlier step.
+        self.uncommitted.cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
+        return super()._remove_bad(req_id, entries)
+
+
 class IdealPolicy(RollbackAudit):
-    """The ``ideal`` mode: the guard with each undo and reader preemption filtered by the
-    shadow KV, so exactly the entries whose KV is (or will be, once the dispatched steps
-    ran) wrong are undone, and exactly the readers that count wrong KV as computed are
-    preempted. Where the guard's decisions are exact the two runs are identical.
+    """The ``ideal`` mode: the guard with each removal and reader preemption filtered by
+    the shadow KV, so exactly the entries whose KV is (or will be, once the dispatched
+    steps ran) wrong are removed, and exactly the readers that count wrong KV as computed
+    are preempted. Where the guard's decisions are exact the two runs are identical.
 
     The final content is predicted by executing the steps in flight on a fork of the
     shadow-KV worker (the fake connector knows which loads will fail).
     """
 
-    def __init__(self, scheduler: Any, ledger: StepLedger, driver: Any) -> None:
-        super().__init__(scheduler, ledger, driver)
+    def __init__(self, scheduler: Any, driver: Any) -> None:
+        super().__init__(scheduler, driver)
         self.kept_entries = 0
         self.kept_readers = 0
         self._cache_key: tuple[int, int] | None = None
         self._cache: tuple[ShadowKV, set[int]] = (ShadowKV(self.block_size), set())
 
-    def undoing(self, cause: str, request_id: str | None, entries: list[Entry]) -> list[Entry]:
-        undone = []
-        for entry in entries:
-            key, block, _ = entry
-            reg = self.registration(key, block)
-            if reg is not None and self.valid_final(reg):
-                self.kept_entries += 1
-            else:
-                undone.append(entry)
-        return super().undoing(cause, request_id, undone)
+    def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
+        if self.keeps(entry):
+            return False
+        return super().remove_entry(req_id, entry)
+
+    def keeps(self, entry: UncommittedEntry) -> bool:
+        """Whether the oracle keeps an entry the rules would remove (its KV is right)."""
+        key, block, _ = entry
+        reg = self.registration(key, block)
+        if reg is not None and self.valid_final(reg):
+            self.kept_entries += 1
+            return True
+        return False
+
+    def failed_kv_loads(self, running_req_ids: set[str]) -> FailedKVLoads:
+        return IdealFailedKVLoads(self, running_req_ids)
 
     def preempting_readers(self, readers: set[str]) -> set[str]:
         running = {r.request_id for r in self.scheduler.running} & readers
@@ -383,4 +466,16 @@ class IdealPolicy(RollbackAudit):
             (held := slots.get(block_ids[p // size])) is None
             or held[p % size] != model.fingerprint(p)
             for p in range(self.scheduler.requests[request_id].num_computed_tokens)
+        )
+
+
+class IdealFailedKVLoads(AuditedFailedKVLoads):
+    """The failed-load rollback of the ideal policy: entries whose KV is right stay, and
+    their blocks are not bad."""
+
+    uncommitted: IdealPolicy
+
+    def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
+        return super()._remove_bad(
+            req_id, [entry for entry in entries if not self.uncommitted.keeps(entry)]
         )

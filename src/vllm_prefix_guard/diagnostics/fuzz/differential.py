@@ -36,7 +36,7 @@ from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, RunResult, run_work
 HITS_CHECK = "guard hit tokens >= stock's valid hit tokens"
 
 _PEAKS = {"peak_uncommitted_entries"}
-_NOT_SUMMED = {"mode", "first_violation_iteration", "examples", "audit"}
+_NOT_SUMMED = {"mode", "first_violation_iteration", "examples", "audit", "decisions"}
 
 
 def accumulate(total: RunResult, run: RunResult) -> None:

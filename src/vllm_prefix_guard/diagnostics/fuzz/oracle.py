@@ -91,6 +91,9 @@ class MeteredDriver(Driver):
         self.request_hit_tokens = 0
         self.computed_tokens = 0
         self.loaded_tokens = 0
+        # Digest of every step's decisions: who was scheduled for how many tokens, on
+        # how many computed ones when admitted, and who was preempted.
+        self.decisions = 0
         # request id -> its num_preemptions when last admitted.
         self._admitted: dict[str, int] = {}
 
@@ -112,6 +115,15 @@ class MeteredDriver(Driver):
 
     def _observe(self, plan: StepPlan) -> None:
         self.steps += 1
+        output = plan.output
+        self.decisions = hash(
+            (
+                self.decisions,
+                tuple(sorted(output.num_scheduled_tokens.items())),
+                tuple(sorted((r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs)),
+                tuple(sorted(output.preempted_req_ids or ())),
+            )
+        )
         self.computed_tokens += plan.output.total_num_scheduled_tokens
         loaded: dict[str, int] = {}
         for load in plan.loads:

@@ -20,7 +20,7 @@ KV that was never written (or holds another prefix) is counted. Metrics (all exa
 - *computed tokens*: the sum of ``total_num_scheduled_tokens`` over all steps;
 - *preemptions*: the sum of ``Request.num_preemptions`` (inside ``schedule()`` and by
   ``reset_prefix_cache``);
-- the guard ledger's counters (rollbacks by cause, peak uncommitted entries).
+- the guard's counters (rollbacks by cause, peak uncommitted entries).
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts, IdealPolicy, RollbackAudit
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
-from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight, adopt_pr43569_scope
+from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
 from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT
-from vllm_prefix_guard.hooks import ledger_of
+from vllm_prefix_guard.hooks import attach_guard, guard_of
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 
 MODES = ("stock", "guard", "pr43569")
 #: Not run by default: the guard with the shadow KV deciding its rollbacks (``audit``).
@@ -84,6 +86,9 @@ class RunResult:
     # last release) for any other reason, and how many were left.
     stalled_runs: int = 0
     stalled_requests: int = 0
+    # Digest of every step's decisions (MeteredDriver.decisions): equal digests, equal
+    # trajectories. Meaningful between runs of one workload in one process.
+    decisions: int = 0
     # Engine iteration whose step read bad KV first (None: no violation).
     first_violation_iteration: int | None = None
     # Up to the oracle's first 100 bad reads: (step, request, position, block, kind).
@@ -144,18 +149,18 @@ def run_workload(
     started = time.perf_counter()
     with guard_state(mode != "stock"):
         scheduler = make_scheduler(workload.spec)
-        ledger = ledger_of(scheduler)
-        in_flight = (
-            adopt_pr43569_scope(ledger)
-            if mode == "pr43569" and ledger is not None
-            else EveryStepInFlight()
-        )
         driver = MeteredDriver(scheduler, workload.depth)
-        auditor: RollbackAudit | None = None
-        if ledger is not None and mode == "ideal":
-            auditor = IdealPolicy(scheduler, ledger, driver)
-        elif ledger is not None and audit:
-            auditor = RollbackAudit(scheduler, ledger, driver)
+        rules: UncommittedPrefixCache | None = None
+        if guard_of(scheduler) is not None:
+            if mode == "pr43569":
+                rules = EveryStepInFlight(scheduler.kv_cache_manager)
+            elif mode == "ideal":
+                rules = IdealPolicy(scheduler, driver)
+            elif audit:
+                rules = RollbackAudit(scheduler, driver)
+            if rules is not None:
+                attach_guard(scheduler, rules)
+        guard = guard_of(scheduler)
         requests = []
         pending = deque(workload.events)
         arrival = 0
@@ -186,13 +191,13 @@ def run_workload(
                     driver.abort(request_id)
                 released += len(stuck)
                 limit = iteration + DRAIN_ITERATIONS
-        result = _result(mode, driver, requests, ledger, in_flight, first_violation)
+        result = _result(mode, driver, requests, guard, first_violation)
         result.resets_refused = resets_refused
-        if auditor is not None:
-            result.audit = auditor.finish()
-            if isinstance(auditor, IdealPolicy):
+        if isinstance(rules, RollbackAudit):
+            result.audit = rules.finish()
+            if isinstance(rules, IdealPolicy):
                 result.audit.by_cause["(ideal: kept by the oracle)"] = Counter(
-                    entries=auditor.kept_entries, readers=auditor.kept_readers
+                    entries=rules.kept_entries, readers=rules.kept_readers
                 )
         result.wedged_runs = int(released > 0)
         result.released_requests = released
@@ -259,8 +264,7 @@ def _result(
     mode: str,
     driver: MeteredDriver,
     requests: list[Any],
-    ledger: Any,
-    in_flight: EveryStepInFlight,
+    guard: SchedulerGuard | None,
     first_violation: int | None,
 ) -> RunResult:
     counts = driver.kv.counts
@@ -277,14 +281,16 @@ def _result(
         computed_tokens=driver.computed_tokens,
         loaded_tokens=driver.loaded_tokens,
         preemptions=sum(r.num_preemptions for r in requests),
-        rolled_back_in_flight=in_flight.entries,
+        decisions=driver.decisions,
         first_violation_iteration=first_violation,
         examples=[
             (v.step, v.request_id, v.position, v.block_id, v.kind) for v in driver.kv.violations
         ],
     )
-    if ledger is not None:
-        stats = ledger.stats
+    if guard is not None:
+        if isinstance(guard.rules, EveryStepInFlight):
+            result.rolled_back_in_flight = guard.rules.entries
+        stats = guard.stats
         result.rolled_back_preempted = stats.rolled_back_preempted
         result.rolled_back_kv_load_failure = stats.rolled_back_kv_load_failure
         result.rolled_back_dropped_step = stats.rolled_back_dropped_step

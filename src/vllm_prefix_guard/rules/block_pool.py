@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the upstream series adds to vLLM's `BlockPool`, verbatim.
+
+`upstream/series.py` copies the two type aliases into `vllm/v1/core/block_pool.py`
+(before `BlockHashToBlockMap`) and the methods of `UncommittedEntryRemoval` into
+`BlockPool`; the plugin's pool mixin inherits them. Nothing here may differ
+between the two.
+"""
+
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockHashToBlockMap
+
+# A prefix-cache entry registered before the KV it names is written: the hash,
+# the block, and the prefix length the hash names (the block holds valid KV for
+# these tokens once the step that computes them has run).
+UncommittedEntry = tuple[BlockHashWithGroupId, KVCacheBlock, int | None]
+
+# The entries one scheduler step registered, per request. `allocate_slots`
+# registers the blocks a step is about to compute, so that requests in the same
+# batch can share them; until that step's output comes back, such an entry names
+# KV that may never be written (the request can be preempted in the same
+# `schedule()` call, or its KV load can fail). Entries made on no request's
+# behalf (a copy-on-write move) are kept under None.
+StepCacheEntries = dict[str | None, list[UncommittedEntry]]
+
+
+class UncommittedEntryRemoval:
+    """`BlockPool.remove_uncommitted_entry`, as the series adds it."""
+
+    if TYPE_CHECKING:
+        cached_block_hash_to_block: BlockHashToBlockMap
+        cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]]
+
+        def _remove_cached_block_hashes(
+            self, block: KVCacheBlock
+        ) -> list[BlockHashWithGroupId]: ...
+
+        def _emit_block_removed_events(
+            self, block_hashes: list[BlockHashWithGroupId]
+        ) -> None: ...
+
+    def remove_uncommitted_entry(self, entry: UncommittedEntry) -> bool:
+        """Remove one uncommitted prefix-cache entry, and only that one.
+
+        Other blocks cached under the same hash are kept. A primary hash takes
+        the block's secondary (partial) hashes with it: they were registered
+        on top of the same unwritten content. Hashes are compared by identity:
+        a block evicted and re-cached since holds an equal hash object, not
+        this one, and keeps it.
+
+        Args:
+            entry: The entry, as recorded in `uncommitted_entries`.
+
+        Returns:
+            True if the entry was still registered and is now removed.
+
+        """
+        block_hash, block, _ = entry
+        if block.block_hash is block_hash:
+            removed_hashes = self._remove_cached_block_hashes(block)
+        else:
+            hashes = self.cached_block_hashes_by_block.get(block.block_id)
+            if not hashes or not any(h is block_hash for h in hashes):
+                return False
+            if self.cached_block_hash_to_block.pop(block_hash, block.block_id) is None:
+                return False
+            hashes.discard(block_hash)
+            if not hashes:
+                del self.cached_block_hashes_by_block[block.block_id]
+            removed_hashes = [block_hash]
+        self._emit_block_removed_events(removed_hashes)
+        return bool(removed_hashes)

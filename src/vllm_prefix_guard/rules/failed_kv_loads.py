@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Prefix-cache entries and computed tokens that a failed KV load leaves wrong.
+
+A KV connector loads a request's external prefix into blocks that
+`allocate_slots` registered in the prefix cache before the load ran. When the
+worker reports the load of some blocks as failed (`invalid_block_ids`), vLLM
+truncates the first running request holding each invalid block so that it
+recomputes from there (policy `recompute`) or fails it (policy `fail`). That
+leaves three ways to read bad KV, which `FailedKVLoads` closes:
+
+- the loader's entries from its first invalid block on stay cached, and under
+  `fail` (or when the loader is aborted or preempted first) nobody rewrites
+  them: a later request hits KV that failed to load;
+- every other holder of an invalid block keeps it as computed, trusting the
+  first to rewrite it before they read it, which nothing guarantees (its
+  recompute is chunked, it can be aborted, a newcomer can hit it meanwhile);
+- steps already in flight computed over the bad KV: the loader's next chunks,
+  and requests admitted on a prefix hit that includes a bad block. Their
+  entries name KV computed over bad KV.
+"""
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.kv_cache_utils import get_group_id
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
+
+from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
+
+if TYPE_CHECKING:
+    from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+
+
+def blocks_read(
+    block_ids: Sequence[Sequence[int]],
+    num_computed_tokens: int,
+    block_sizes: Sequence[int],
+) -> Iterator[int]:
+    """The blocks, in every KV cache group, holding the first
+    `num_computed_tokens` tokens of a request."""
+    for group_block_ids, block_size in zip(block_ids, block_sizes, strict=True):
+        yield from group_block_ids[: -(-num_computed_tokens // block_size)]
+
+
+def admissions(
+    scheduler_output: SchedulerOutput,
+) -> Iterator[tuple[str, Sequence[Sequence[int]], int]]:
+    """The requests a step admits (new or resumed): ID, block IDs per KV cache
+    group, and tokens computed when admitted (prefix-cache hit plus tokens
+    loaded by a KV connector, whose blocks come first)."""
+    for new_req in scheduler_output.scheduled_new_reqs:
+        if new_req.block_ids:
+            yield new_req.req_id, new_req.block_ids, new_req.num_computed_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    if cached.resumed_req_ids:
+        for index, req_id in enumerate(cached.req_ids):
+            block_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids and block_ids:
+                yield req_id, block_ids, cached.num_computed_tokens[index]
+
+
+def first_computed_tokens(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Request ID -> the first token the step computes, for every request."""
+    starts = {
+        new_req.req_id: new_req.num_computed_tokens
+        for new_req in scheduler_output.scheduled_new_reqs
+    }
+    cached = scheduler_output.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    return starts
+
+
+class FailedKVLoads:
+    """The rollback of one step's failed KV loads.
+
+    A block is *bad* when its load failed or an entry on it is removed here.
+    `roll_back` visits the failing step and every later step in flight, oldest
+    first, and removes:
+
+    - each loader's entries from its first invalid token on, in every KV cache
+      group (a hybrid model computes every group's KV of a token from all
+      groups' KV of the tokens before it), and all its entries in later steps
+      until it is admitted afresh;
+    - the entries of every request admitted on a prefix hit that includes a bad
+      block it neither writes in that step nor still holds unchanged, from its
+      hit on; found to a fixed point, since a same-step hit on a block such a
+      reader registered is bad too. What a reader loaded or wrote below its
+      hit stays, unless a later step in flight computes it again from a lower
+      token (vLLM blamed it, by block ID, for an earlier failed load on a
+      block it was given since, and rewound it): then that goes too.
+
+    Invariant: when `roll_back` returns, no entry of those steps names KV that was
+    loaded by the failed load or computed over it, and `reads_bad_kv` holds
+    for every running request that still counts such KV as computed. Loaders
+    that stay have their cached-block counts rewound, so they cache the blocks
+    again once recomputed.
+
+    Cost: O(entries removed + blocks the admissions of the steps walked hit).
+    """
+
+    def __init__(
+        self, uncommitted: "UncommittedPrefixCache", running_req_ids: set[str]
+    ) -> None:
+        self.uncommitted = uncommitted
+        self.kv_cache_manager = uncommitted.kv_cache_manager
+        self.block_sizes = [
+            manager.block_size
+            for manager in self.kv_cache_manager.coordinator.single_type_managers
+        ]
+        self.running_req_ids = running_req_ids
+        # Loader request ID -> IDs of the blocks whose entries were removed.
+        self.loaders: dict[str, set[int]] = {}
+        # Other requests that computed over bad KV and still count it as
+        # computed in their latest admission.
+        self.readers: set[str] = set()
+        # Bad block ID -> whether an entry removed from it was still cached
+        # (False: the block was evicted and reused since, so a hit on it may be
+        # on its new, valid content).
+        self.bad_blocks: dict[int, bool] = {}
+
+    def roll_back(
+        self, scheduler_output: SchedulerOutput, invalid_block_ids: set[int]
+    ) -> None:
+        """Roll back the failed loads of the step of `scheduler_output`, through
+        every later step in flight (nothing if that step is not in flight)."""
+        steps = self.uncommitted.steps_in_flight()
+        for index, (output, _) in enumerate(steps):
+            if output is scheduler_output:
+                self.walk(steps[index:], invalid_block_ids)
+                return
+
+    def walk(
+        self,
+        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
+        invalid_block_ids: set[int],
+    ) -> None:
+        """Roll back the failed loads of `steps[0]`, through every later step
+        in `steps` (oldest first)."""
+        self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
+        loaders = self._remove_loaders(steps[0][1], invalid_block_ids)
+        # Requests whose computation in the step being walked reads bad KV.
+        tainted = set(loaders)
+        # Reader -> the record of its admission, which keeps the entries it had
+        # loaded or written before it read bad KV.
+        kept: dict[str, StepCacheEntries] = {}
+        for index, (output, entries) in enumerate(steps):
+            admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
+            for req_id, block_ids, num_computed_tokens in admissions(output):
+                if index or req_id not in loaders:
+                    admitted[req_id] = (block_ids, num_computed_tokens)
+                    tainted.discard(req_id)  # Admitted afresh: judged below.
+                    kept.pop(req_id, None)
+            if index:
+                if kept:
+                    starts = first_computed_tokens(output)
+                    for req_id, admission_entries in kept.items():
+                        if req_id in starts:
+                            self._remove_computed_from(
+                                admission_entries, req_id, starts[req_id]
+                            )
+                # Tainted since an earlier step: all of it is over bad KV.
+                for req_id in [r for r in entries if r in tainted]:
+                    removed = self._remove_bad(req_id, entries.pop(req_id))
+                    if req_id in self.loaders:
+                        self.loaders[req_id].update(removed)
+            self._remove_readers(entries, admitted, tainted, kept)
+        self.readers = tainted - loaders
+        self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
+
+    def reads_bad_kv(self, request: Request) -> bool:
+        """Whether a running request still counts bad KV as computed (and must
+        recompute: vLLM truncates only the first holder of an invalid block)."""
+        req_id = request.request_id
+        if req_id in self.readers:
+            return True
+        return req_id in self.loaders and any(
+            block_id in self.bad_blocks
+            for block_id in blocks_read(
+                self.kv_cache_manager.get_block_ids(req_id),
+                request.num_computed_tokens,
+                self.block_sizes,
+            )
+        )
+
+    def _remove_loaders(
+        self, entries: StepCacheEntries, invalid_block_ids: set[int]
+    ) -> set[str]:
+        """Remove each loader's entries past its first failed token."""
+        loaders = set()
+        for req_id, req_entries in list(entries.items()):
+            if req_id is None:
+                continue
+            failed = [e for e in req_entries if e[1].block_id in invalid_block_ids]
+            if not failed:
+                continue
+            failed_from = min(self._block_start(e) for e in failed)
+            del entries[req_id]
+            written, unwritten = self.uncommitted.split_written(
+                req_entries, failed_from
+            )
+            self.uncommitted.keep(entries, req_id, written)
+            self.loaders[req_id] = self._remove_bad(req_id, unwritten)
+            loaders.add(req_id)
+        return loaders
+
+    def _remove_readers(
+        self,
+        entries: StepCacheEntries,
+        admitted: dict[str, tuple[Sequence[Sequence[int]], int]],
+        tainted: set[str],
+        kept: dict[str, StepCacheEntries],
+    ) -> None:
+        """Remove what the admissions of one step compute over a bad block,
+        until no more are found (a same-step hit on a block a reader
+        registered is bad too)."""
+        changed = True
+        while changed:
+            changed = False
+            for req_id, (block_ids, num_computed_tokens) in list(admitted.items()):
+                own = {block.block_id for _, block, _ in entries.get(req_id, ())}
+                if not any(
+                    block_id in self.bad_blocks
+                    and block_id not in own
+                    and (self.bad_blocks[block_id] or not self._holds(req_id, block_id))
+                    for block_id in blocks_read(
+                        block_ids, num_computed_tokens, self.block_sizes
+                    )
+                ):
+                    continue
+                del admitted[req_id]
+                tainted.add(req_id)
+                # What it loaded or wrote before this step does not depend on
+                # what it reads here; what it computes here does.
+                self._remove_computed_from(entries, req_id, num_computed_tokens)
+                kept[req_id] = entries
+                changed = True
+
+    def _remove_computed_from(
+        self, entries: StepCacheEntries, req_id: str, num_tokens: int
+    ) -> None:
+        """Remove a reader's entries that reach past token `num_tokens`."""
+        written, unwritten = self.uncommitted.split_written(
+            entries.pop(req_id, []), num_tokens
+        )
+        self.uncommitted.keep(entries, req_id, written)
+        self._remove_bad(req_id, unwritten)
+
+    def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
+        """Remove entries loaded as, or computed over, bad KV; their blocks
+        become bad. Returns their block IDs."""
+        for entry in reversed(entries):
+            block_id = entry[1].block_id
+            removed = self.uncommitted.remove_entry(req_id, entry)
+            self.bad_blocks[block_id] = removed or self.bad_blocks.get(block_id, False)
+        return {block.block_id for _, block, _ in entries}
+
+    def _holds(self, req_id: str, block_id: int) -> bool:
+        """Whether a running request holds a block (taken before the failure
+        is handled, after any reuse of the block)."""
+        return req_id in self.running_req_ids and any(
+            block_id in group_block_ids
+            for group_block_ids in self.kv_cache_manager.get_block_ids(req_id)
+        )
+
+    def _block_start(self, entry: UncommittedEntry) -> int:
+        """The first token of the block an entry registered."""
+        block_hash, _, num_hash_tokens = entry
+        if not num_hash_tokens:
+            return 0
+        block_size = self.block_sizes[get_group_id(block_hash)]
+        return (num_hash_tokens - 1) // block_size * block_size

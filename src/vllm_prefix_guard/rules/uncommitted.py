@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Prefix-cache entries of scheduler steps whose KV is not written yet.
+
+`KVCacheManager.allocate_slots` registers the blocks a step is about to
+compute, so that requests in the same batch can share them (identical prompts,
+`n > 1`: one forward pass writes a block before attention reads it). The KV is
+written only when the step runs; until its output comes back, the step's
+entries are *uncommitted*. An entry whose KV is never written is a silent wrong
+answer for every later request that hits it. The rules below remove exactly the
+entries whose KV is not, or will not be, what their hash names; every other
+entry stays cached, so no valid hit is lost.
+
+1. A request preempted inside `schedule()` (priority policy: the victim may
+   already be scheduled in this call) never runs the step being scheduled: its
+   entries of that step are removed before its blocks are freed. Entries whose
+   tokens all lie below its computed tokens stay: a step already dispatched
+   writes them (a block whose last token was sampled by a step in flight is
+   registered one step late). Dispatched steps are never cancelled, so entries
+   of steps in flight are never removed for a preemption.
+2. A step whose output never comes back (a later step commits first) wrote
+   nothing: its entries are removed when the later step commits.
+3. A `schedule()` that raised produced no step: its entries are removed when
+   the next step begins.
+4. `reset_prefix_cache` removes every entry: the records are dropped.
+5. Blocks a KV connector finished loading (`_update_waiting_for_remote_kv`)
+   hold written KV: their entries are made inside `written()` and not
+   recorded. `cache_blocks` outside `schedule()` runs with no step open.
+
+Same-step sharing needs no rule: lookups run only in the waiting loop of
+`schedule()`, which is skipped once the running loop preempted a request, so
+no request can hit an entry whose writer is then preempted in the same call.
+
+Steps are keyed by the identity of their `SchedulerOutput`, not by a counter:
+`update_from_output` receives the output object and nothing else that names
+the step, and a counter would pair the wrong records as soon as one output is
+dropped, or an output `schedule()` did not produce (the empty one `EngineCore`
+passes while it drains) comes back. The record holds its output, so the id
+cannot be reused while the step is in flight.
+
+Cost: O(1) per step and per registration; a removal is O(entries removed).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
+
+
+class UncommittedPrefixCache:
+    """The uncommitted prefix-cache entries of each scheduler step, in order.
+
+    `begin_step` opens a record at the start of `Scheduler.schedule()`; the
+    block pool appends every new entry to it. `end_step` ties it to the
+    `SchedulerOutput` the call returns, and `commit_step` drops it at the end of
+    `Scheduler.update_from_output` for that output. Every removal goes through
+    `remove_entry`.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        # id(SchedulerOutput) -> (output, its entries), oldest first.
+        self._in_flight: dict[int, tuple[SchedulerOutput, StepCacheEntries]] = {}
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def num_uncommitted_entries(self) -> int:
+        """Entries of the steps in flight (O(requests in their records))."""
+        return sum(
+            len(req_entries)
+            for _, entries in list(self._in_flight.values())
+            for req_entries in list(entries.values())
+        )
+
+    def steps_in_flight(self) -> list[tuple[SchedulerOutput, StepCacheEntries]]:
+        """The steps dispatched and not committed, oldest first."""
+        return list(self._in_flight.values())
+
+    def begin_step(self) -> None:
+        """Record the new prefix-cache entries of the step being scheduled."""
+        block_pool = self.kv_cache_manager.block_pool
+        if block_pool.uncommitted_entries is not None:
+            # The last `schedule()` raised: its step never runs.
+            self._remove_step(block_pool.uncommitted_entries)
+        block_pool.uncommitted_entries = {}
+
+    def end_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Stop recording; the entries await the output of `scheduler_output`."""
+        block_pool = self.kv_cache_manager.block_pool
+        entries = block_pool.uncommitted_entries
+        assert entries is not None, "end_step() without begin_step()"
+        block_pool.uncommitted_entries = None
+        self._in_flight[id(scheduler_output)] = (scheduler_output, entries)
+
+    def commit_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step of `scheduler_output` ran: its entries are valid. Older
+        steps still in flight never will be (their outputs were dropped).
+
+        An output `schedule()` did not produce has no record and commits
+        nothing: it ran no step.
+        """
+        step_id = id(scheduler_output)
+        if step_id not in self._in_flight:
+            return
+        while True:
+            oldest_id = next(iter(self._in_flight))
+            _, entries = self._in_flight.pop(oldest_id)
+            if oldest_id == step_id:
+                return
+            self._remove_step(entries)
+
+    def reset(self) -> None:
+        """Forget every record: the prefix cache was reset."""
+        self._in_flight.clear()
+        block_pool = self.kv_cache_manager.block_pool
+        if block_pool.uncommitted_entries is not None:
+            block_pool.uncommitted_entries = {}
+
+    @contextmanager
+    def written(self) -> Iterator[None]:
+        """Record nothing inside: the entries made there name KV already
+        written (blocks a KV connector finished loading)."""
+        block_pool = self.kv_cache_manager.block_pool
+        entries, block_pool.uncommitted_entries = block_pool.uncommitted_entries, None
+        try:
+            yield
+        finally:
+            block_pool.uncommitted_entries = entries
+
+    def rollback_preempted(self, req_id: str, num_written_tokens: int) -> None:
+        """Remove the open step's entries of a request preempted inside
+        `schedule()`, before its blocks are freed.
+
+        Args:
+            req_id: The preempted request.
+            num_written_tokens: Its computed tokens before this step: the steps
+                already dispatched write them. Its entries that lie below stay,
+                tied to the latest step in flight (they are written once it
+                ran, and go if it never comes back).
+
+        """
+        open_entries = self.kv_cache_manager.block_pool.uncommitted_entries
+        if open_entries is None:
+            return
+        entries = open_entries.pop(req_id, [])
+        if entries and num_written_tokens:
+            written, entries = self.split_written(entries, num_written_tokens)
+            if self._in_flight:
+                _, latest = next(reversed(self._in_flight.values()))
+                self.keep(latest, req_id, written)
+        self.remove_entries(req_id, entries)
+
+    def rollback_failed_loads(
+        self,
+        scheduler_output: SchedulerOutput,
+        invalid_block_ids: set[int],
+        running_req_ids: set[str],
+    ) -> FailedKVLoads:
+        """Remove the entries a failed KV load leaves without valid KV in the
+        step of `scheduler_output` and the steps in flight after it, and find
+        the requests that read such KV (see `FailedKVLoads`).
+
+        Args:
+            scheduler_output: The step that reported the failure.
+            invalid_block_ids: The blocks whose load failed.
+            running_req_ids: The running requests, before the failure is
+                handled.
+
+        """
+        rollback = FailedKVLoads(self, running_req_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids)
+        return rollback
+
+    @staticmethod
+    def split_written(
+        entries: list[UncommittedEntry], num_tokens: int
+    ) -> tuple[list[UncommittedEntry], list[UncommittedEntry]]:
+        """(The entries whose tokens all lie below `num_tokens`, the others.)"""
+        written: list[UncommittedEntry] = []
+        unwritten: list[UncommittedEntry] = []
+        for entry in entries:
+            num_hash_tokens = entry[2]
+            if num_hash_tokens is not None and 0 < num_hash_tokens <= num_tokens:
+                written.append(entry)
+            else:
+                unwritten.append(entry)
+        return written, unwritten
+
+    @staticmethod
+    def keep(
+        entries: StepCacheEntries, req_id: str, kept: list[UncommittedEntry]
+    ) -> None:
+        """Put (back) entries of `req_id` into a step's record."""
+        if kept:
+            entries.setdefault(req_id, []).extend(kept)
+
+    def remove_entries(
+        self, req_id: str | None, entries: list[UncommittedEntry]
+    ) -> None:
+        """Remove entries of `req_id` from the prefix cache, newest first."""
+        for entry in reversed(entries):
+            self.remove_entry(req_id, entry)
+
+    def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
+        """Remove one entry of `req_id` from the prefix cache; every rule
+        removes through here.
+
+        Returns:
+            True if the entry was still cached (False: its block was evicted,
+            and possibly cached again under an equal hash, since).
+
+        """
+        return self.kv_cache_manager.block_pool.remove_uncommitted_entry(entry)
+
+    def _remove_step(self, entries: StepCacheEntries) -> None:
+        for req_id, req_entries in entries.items():
+            self.remove_entries(req_id, req_entries)
+        entries.clear()

@@ -1,0 +1,138 @@
+"""One scheduler's guard: the rules, run where the upstream series calls them, and counted.
+
+:class:`SchedulerGuard` is what the scheduler hooks (:mod:`vllm_prefix_guard.hooks`)
+call into. Each of its methods stands for one call the upstream series adds to vLLM's
+``Scheduler`` (``upstream/series.py``) and runs the same rule of
+:mod:`vllm_prefix_guard.rules`; around it, it counts what the rule did, from the grafted
+pool's counters, for ``/metrics`` and the shutdown line. It decides nothing the series
+does not.
+
+Cost per step: the two calls that open and close the step's record, the commit, and a
+few integer reads; a rollback costs what its rule costs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm_prefix_guard.log import logger
+from vllm_prefix_guard.pool import PrefixGuardPool, graft
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard.stats import GuardStats
+
+
+class SchedulerGuard:
+    """The rules of one scheduler over its grafted pool, and their counters."""
+
+    def __init__(self, scheduler: Any, rules: UncommittedPrefixCache | None = None) -> None:
+        manager = scheduler.kv_cache_manager
+        self.scheduler = scheduler
+        self.pool: PrefixGuardPool = graft(manager.block_pool)  # normally grafted already
+        self.rules = UncommittedPrefixCache(manager) if rules is None else rules
+        self.stats = GuardStats()
+        self._epoch = self.pool.guard_epoch
+        self._recorded = self.pool.guard_recorded
+
+    # -- the calls the series places in Scheduler -------------------------------------
+
+    def begin_step(self) -> None:
+        """``schedule()`` starts (an earlier one that raised is undone here)."""
+        removed = self.pool.guard_removed
+        self.rules.begin_step()
+        if self.pool.guard_removed != removed:
+            self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
+
+    def end_step(self, output: Any) -> None:
+        """``schedule()`` returns ``output``."""
+        self.rules.end_step(output)
+        if self.pool.guard_recorded != self._recorded:
+            self._recorded = self.pool.guard_recorded
+            uncommitted = self.rules.num_uncommitted_entries
+            if uncommitted > self.stats.peak_uncommitted_entries:
+                self.stats.peak_uncommitted_entries = uncommitted
+
+    def preempted(self, request: Any) -> None:
+        """``_preempt_request``, before the request's blocks are freed."""
+        removed = self.pool.guard_removed
+        # Its computed tokens are those of the steps already dispatched (this step's
+        # are added only when schedule() returns): those steps write them.
+        self.rules.rollback_preempted(request.request_id, request.num_computed_tokens)
+        self.stats.rolled_back_preempted += self.pool.guard_removed - removed
+
+    @contextmanager
+    def written(self) -> Iterator[None]:
+        """Around ``_update_waiting_for_remote_kv``: KV a connector finished loading."""
+        with self.rules.written():
+            yield
+
+    def loads_failed(self, output: Any, invalid_block_ids: Iterable[int]) -> FailedKVLoads:
+        """``update_from_output`` got failed loads; before vLLM handles them."""
+        removed = self.pool.guard_removed
+        running = {request.request_id for request in self.scheduler.running}
+        rollback = self.rules.rollback_failed_loads(output, set(invalid_block_ids), running)
+        self.stats.rolled_back_kv_load_failure += self.pool.guard_removed - removed
+        return rollback
+
+    def preempt_bad_kv_readers(self, rollback: FailedKVLoads) -> None:
+        """After vLLM handled the failed loads: every running request that still counts
+        bad KV as computed recomputes it (its in-flight output dropped, as
+        ``reset_prefix_cache`` does)."""
+        if not rollback.loaders and not rollback.readers:
+            return
+        scheduler = self.scheduler
+        readers = [request for request in scheduler.running if rollback.reads_bad_kv(request)]
+        timestamp = time.monotonic()
+        for request in readers:
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, timestamp, drop_stale_output=True)
+        self._count_readers(len(readers))
+
+    def commit_step(self, output: Any) -> None:
+        """``update_from_output`` for ``output`` is done."""
+        removed = self.pool.guard_removed
+        in_flight = self.rules.num_steps_in_flight
+        self.rules.commit_step(output)
+        if self.rules.num_steps_in_flight != in_flight:
+            self.stats.steps_committed += 1
+            if self.pool.guard_removed != removed:
+                self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
+
+    def prefix_cache_reset(self) -> None:
+        """After ``Scheduler.reset_prefix_cache``: drop every record if the pool did reset
+        (the scheduler's own result also reflects the connector's reset)."""
+        if self.pool.guard_epoch != self._epoch:
+            self._epoch = self.pool.guard_epoch
+            self.rules.reset()
+
+    # -- what operators read ------------------------------------------------------------
+
+    @property
+    def is_idle(self) -> bool:
+        """No step open, none in flight, nothing uncommitted."""
+        return self.pool.uncommitted_entries is None and not self.rules.num_steps_in_flight
+
+    def counters(self) -> dict[str, int]:
+        """The counters as operators read them. Safe from another thread: integer reads
+        and one pass over the records in flight, each listed at once under the GIL."""
+        stats = self.stats
+        stats.registrations_tracked = self.pool.guard_recorded
+        stats.stale_entries_skipped = self.pool.guard_stale
+        return {**stats.as_dict(), "uncommitted_entries": self.rules.num_uncommitted_entries}
+
+    def _count_readers(self, preempted: int) -> None:
+        """Count requests preempted for reading bad KV; warn the first time."""
+        if not preempted:
+            return
+        first = self.stats.dependents_preempted == 0
+        self.stats.dependents_preempted += preempted
+        if first:
+            logger().warning(
+                "vllm-prefix-guard: preempted %d request(s) that counted KV of a failed load "
+                "(or computed over it) as computed; they recompute (logged once per "
+                "scheduler).",
+                preempted,
+            )
