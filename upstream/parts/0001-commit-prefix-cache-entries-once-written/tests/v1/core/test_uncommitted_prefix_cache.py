@@ -12,102 +12,89 @@ outliving `free()`), #56525 (async retry of an aborted prefill).
 
 import pytest
 
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from ..kv_connector.unit.utils import make_kv_cache_config
-from .utils import create_scheduler
+from ..kv_connector.unit.utils import create_model_runner_output, make_kv_cache_config
+from ..kv_connector.unit.utils import (
+    create_scheduler as create_scheduler_with_kv_cache_config,
+)
+from .test_scheduler import create_requests_with_priority
+from .utils import create_requests, create_scheduler
 
 pytestmark = pytest.mark.cpu_test
 
 BLOCK_SIZE = 16
-SAMPLED_TOKEN = 7
 
 
-@pytest.fixture(autouse=True)
-def _init_none_hash():
-    init_none_hash(sha256)
-
-
-def make_request(
-    request_id: str,
-    prompt_token_ids: list[int],
-    max_tokens: int = 4,
-    priority: int = 0,
-    arrival_time: float = 0.0,
-) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        pooling_params=None,
-        priority=priority,
-        arrival_time=arrival_time,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
-
-
-def make_output(
-    scheduler: Scheduler,
-    scheduler_output: SchedulerOutput,
-    invalid_block_ids: set[int] | None = None,
+def model_runner_output(
+    scheduler_output: SchedulerOutput, requests: list[Request]
 ) -> ModelRunnerOutput:
-    """What the model runner returns for a step: a token for every request that
-    finished its prefill, none for a prefill chunk."""
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled_token_ids: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)
-        prefill_chunk = request is None or request.is_prefill_chunk
-        sampled_token_ids.append([] if prefill_chunk else [SAMPLED_TOKEN])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled_token_ids,
-        kv_connector_output=(
-            KVConnectorOutput(invalid_block_ids=invalid_block_ids)
-            if invalid_block_ids
-            else None
-        ),
-    )
+    # create_model_runner_output samples even for a prefill chunk; a runner does not.
+    scheduled = [
+        request
+        for request in requests
+        if request.request_id in scheduler_output.num_scheduled_tokens
+    ]
+    output = create_model_runner_output(scheduled)
+    output.sampled_token_ids = [
+        [] if request.is_prefill_chunk else token_ids
+        for request, token_ids in zip(scheduled, output.sampled_token_ids)
+    ]
+    return output
 
 
-def run_step(scheduler: Scheduler) -> SchedulerOutput:
+def run_step(scheduler: Scheduler, requests: list[Request]) -> SchedulerOutput:
     """One synchronous engine step."""
     scheduler_output = scheduler.schedule()
     scheduler.update_from_output(
-        scheduler_output, make_output(scheduler, scheduler_output)
+        scheduler_output, model_runner_output(scheduler_output, requests)
     )
     return scheduler_output
 
 
-def num_hit_tokens(scheduler: Scheduler, prompt_token_ids: list[int]) -> int:
-    """Tokens a new request with this prompt would find in the prefix cache."""
-    probe = make_request("probe", prompt_token_ids)
-    return scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+def num_hit_tokens(
+    scheduler: Scheduler, request: Request, max_cache_hit_length: int | None = None
+) -> int:
+    """Tokens a new request with `request`'s prompt would find in the prefix
+    cache (all but its last token at most); with `max_cache_hit_length`, a new
+    request whose prompt extends it that far."""
+    if max_cache_hit_length is None:
+        max_cache_hit_length = request.num_prompt_tokens - 1
+    return scheduler.kv_cache_manager.get_computed_blocks(
+        request, max_cache_hit_length
+    )[1]
 
 
-def running_ids(scheduler: Scheduler) -> list[str]:
-    return [request.request_id for request in scheduler.running]
-
-
-def num_tokens_written(request_id: str, outputs: list[SchedulerOutput]) -> int:
+def num_tokens_written(request: Request, outputs: list[SchedulerOutput]) -> int:
     """Tokens of a request that dispatched steps compute, in whole blocks."""
-    num_tokens = sum(o.num_scheduled_tokens.get(request_id, 0) for o in outputs)
+    req_id = request.request_id
+    num_tokens = sum(o.num_scheduled_tokens.get(req_id, 0) for o in outputs)
     return num_tokens // BLOCK_SIZE * BLOCK_SIZE
 
 
 # Priority preemption of a request already scheduled in the same `schedule()`:
 # D and A run; B (higher priority than A) arrives; in the next step A is scheduled
 # first and registers its next blocks, then B cannot allocate and preempts A.
-PROMPT_A = list(range(1, 161))
-PROMPT_B = list(range(2000, 2120))
-PROMPT_D = list(range(1000, 1016))
+def create_priority_requests(num_tokens_a: int = 160) -> list[Request]:
+    """D (16 tokens, 3 to generate) and B (120 tokens) at priority 0, A at
+    priority 1 (lower); each with a prompt of its own."""
+    [d] = create_requests_with_priority(
+        num_requests=1, priorities=[0], num_tokens=16, max_tokens=3, req_ids=["D"]
+    )
+    [a] = create_requests_with_priority(
+        num_requests=1,
+        priorities=[1],
+        num_tokens=num_tokens_a,
+        starting_idx=1,
+        req_ids=["A"],
+    )
+    [b] = create_requests_with_priority(
+        num_requests=1, priorities=[0], num_tokens=120, starting_idx=2, req_ids=["B"]
+    )
+    return [d, a, b]
 
 
 def create_priority_scheduler(
@@ -123,7 +110,7 @@ def create_priority_scheduler(
         max_model_len=1024,
         async_scheduling=async_scheduling,
     )
-    # Admit a request when its next chunk fits, as the notes' layout needs.
+    # Admit a request when its next chunk fits, as this layout needs.
     scheduler.scheduler_reserve_full_isl = False
     return scheduler
 
@@ -131,45 +118,44 @@ def create_priority_scheduler(
 def test_preempted_request_leaves_no_entry_of_its_step():
     """#43569: A is preempted after `allocate_slots` registered its next block;
     that block is never written, so no later request may hit it."""
-    scheduler = create_priority_scheduler()
-    scheduler.add_request(make_request("D", PROMPT_D, max_tokens=3))
-    scheduler.add_request(make_request("A", PROMPT_A, priority=1))
-    outputs = [run_step(scheduler)]
-    scheduler.add_request(make_request("B", PROMPT_B))
-    outputs.append(run_step(scheduler))
-    preempting = scheduler.schedule()
-    assert preempting.preempted_req_ids == {"A"}
-    assert "A" not in preempting.num_scheduled_tokens
+    scheduler = create_priority_scheduler()  # 20 blocks of 16, 64-token chunks
+    requests = d, a, b = create_priority_requests()  # A: 160 tokens
+    scheduler.add_request(d)
+    scheduler.add_request(a)
+    outputs = [run_step(scheduler, requests)]  # A: tokens 0-63
+    scheduler.add_request(b)
+    outputs.append(run_step(scheduler, requests))  # A: tokens 64-127
+    preempting = scheduler.schedule()  # A registers 128-143, then B preempts it
+    assert preempting.preempted_req_ids == {a.request_id}
+    assert a.request_id not in preempting.num_scheduled_tokens
 
     # A's two dispatched chunks wrote 128 tokens; its third chunk never runs.
-    assert num_tokens_written("A", outputs) == 128
-    assert num_hit_tokens(scheduler, PROMPT_A) == 128
+    assert num_tokens_written(a, outputs) == 128
+    assert num_hit_tokens(scheduler, a) == 128  # 144 before this fix
 
 
 def test_preempted_request_in_hybrid_model_leaves_no_entry():
     """#43569, hybrid: full attention plus sliding window. The victim's entries of
     the step being scheduled go in every KV cache group."""
-    base = create_priority_scheduler()
-    scheduler = Scheduler(
-        vllm_config=base.vllm_config,
+    scheduler = create_scheduler_with_kv_cache_config(
+        create_priority_scheduler().vllm_config,
+        num_blocks=32,
         kv_cache_config=make_kv_cache_config(
             BLOCK_SIZE, swa_enabled=True, sw_size=32, num_blocks=32
         ),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-        structured_output_manager=base.structured_output_manager,
     )
     scheduler.scheduler_reserve_full_isl = False
     assert len(scheduler.kv_cache_config.kv_cache_groups) == 2
-    scheduler.add_request(make_request("D", PROMPT_D, max_tokens=3))
-    scheduler.add_request(make_request("A", PROMPT_A, priority=1))
-    outputs = [run_step(scheduler)]
-    scheduler.add_request(make_request("B", PROMPT_B))
-    outputs.append(run_step(scheduler))
-    assert scheduler.schedule().preempted_req_ids == {"A"}
+    requests = d, a, b = create_priority_requests()
+    scheduler.add_request(d)
+    scheduler.add_request(a)
+    outputs = [run_step(scheduler, requests)]
+    scheduler.add_request(b)
+    outputs.append(run_step(scheduler, requests))
+    assert scheduler.schedule().preempted_req_ids == {a.request_id}
 
-    assert num_tokens_written("A", outputs) == 128
-    assert num_hit_tokens(scheduler, PROMPT_A) == 128
+    assert num_tokens_written(a, outputs) == 128
+    assert num_hit_tokens(scheduler, a) == 128
 
 
 def test_preemption_keeps_entries_of_steps_in_flight():
@@ -178,29 +164,33 @@ def test_preemption_keeps_entries_of_steps_in_flight():
     blocks, so their entries stay (#43569 removes them too, losing valid hits);
     only the entries of the step being scheduled go."""
     scheduler = create_priority_scheduler(num_blocks=28, async_scheduling=True)
-    prompt_a = list(range(1, 321))
-    scheduler.add_request(make_request("D", PROMPT_D, max_tokens=3))
-    scheduler.add_request(make_request("A", prompt_a, priority=1))
+    requests = d, a, b = create_priority_requests(num_tokens_a=320)
+    scheduler.add_request(d)
+    scheduler.add_request(a)
     dispatched = [scheduler.schedule()]
     for step in range(8):
         if step == 2:
-            scheduler.add_request(make_request("B", PROMPT_B))
+            scheduler.add_request(b)
         scheduler_output = scheduler.schedule()
         in_flight = dispatched[-1]
-        scheduler.update_from_output(in_flight, make_output(scheduler, in_flight))
+        scheduler.update_from_output(
+            in_flight, model_runner_output(in_flight, requests)
+        )
         if scheduler_output.preempted_req_ids:
             break
         dispatched.append(scheduler_output)
-    assert scheduler_output.preempted_req_ids == {"A"}
+    assert scheduler_output.preempted_req_ids == {a.request_id}
     # A's last dispatched chunk is still running: 192 tokens written, 64 to come.
-    assert num_tokens_written("A", dispatched[:-1]) == 192
-    assert num_tokens_written("A", dispatched) == 256
+    assert num_tokens_written(a, dispatched[:-1]) == 192
+    assert num_tokens_written(a, dispatched) == 256
 
-    probe = prompt_a + [0] * BLOCK_SIZE
-    assert num_hit_tokens(scheduler, probe) == 256
+    # A new request whose prompt extends A's.
+    assert num_hit_tokens(scheduler, a, a.num_prompt_tokens) == 256
     for step_output in (dispatched[-1], scheduler_output):
-        scheduler.update_from_output(step_output, make_output(scheduler, step_output))
-    assert num_hit_tokens(scheduler, probe) == 256
+        scheduler.update_from_output(
+            step_output, model_runner_output(step_output, requests)
+        )
+    assert num_hit_tokens(scheduler, a, a.num_prompt_tokens) == 256
 
 
 def test_dropped_step_entries_are_removed():
@@ -208,17 +198,17 @@ def test_dropped_step_entries_are_removed():
     is committed first, as EngineCore's fault-tolerance drain does) wrote nothing:
     its entries go. The record is keyed by the output, not by a count."""
     scheduler = create_scheduler(enable_prefix_caching=True, block_size=BLOCK_SIZE)
-    prompt = list(range(1, 33))
-    scheduler.add_request(make_request("a", prompt))
+    requests = a, b = create_requests(num_requests=2, num_tokens=32)
+    scheduler.add_request(a)
     dropped = scheduler.schedule()
-    assert dropped.num_scheduled_tokens == {"a": 32}
-    scheduler.add_request(make_request("b", list(range(100, 132))))
+    assert dropped.num_scheduled_tokens == {a.request_id: 32}
+    scheduler.add_request(b)
     following = scheduler.schedule()
-    assert following.num_scheduled_tokens == {"b": 32}
-    assert num_hit_tokens(scheduler, prompt) == 16  # Shared in its step; see below.
+    assert following.num_scheduled_tokens == {b.request_id: 32}
+    assert num_hit_tokens(scheduler, a) == 16  # Shared in its step; see below.
 
-    scheduler.update_from_output(following, make_output(scheduler, following))
-    assert num_hit_tokens(scheduler, prompt) == 0
+    scheduler.update_from_output(following, model_runner_output(following, requests))
+    assert num_hit_tokens(scheduler, a) == 0
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
 
 
@@ -228,17 +218,16 @@ def test_same_step_sharing_is_kept():
     them before attention reads them. The patch keeps this (hiding them would cost
     512 + 3 x 512 tokens instead of 512 + 3 x 16)."""
     scheduler = create_scheduler(enable_prefix_caching=True, block_size=BLOCK_SIZE)
-    prompt = list(range(1, 513))
-    for i in range(4):
-        scheduler.add_request(make_request(f"n{i}", prompt))
-    scheduler_output = run_step(scheduler)
+    requests = create_requests(num_requests=4, num_tokens=512, same_prompt=True)
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler_output = run_step(scheduler, requests)
     assert scheduler_output.num_scheduled_tokens == {
-        "n0": 512,
-        "n1": 16,
-        "n2": 16,
-        "n3": 16,
+        request.request_id: num_tokens
+        for request, num_tokens in zip(requests, (512, 16, 16, 16))
     }
-    assert num_hit_tokens(scheduler, prompt + [0]) == 512
+    # A new request whose prompt extends theirs.
+    assert num_hit_tokens(scheduler, requests[0], 512) == 512
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
 
 
@@ -250,18 +239,22 @@ def test_abort_while_step_in_flight_keeps_its_entries():
     scheduler = create_scheduler(
         enable_prefix_caching=True, block_size=BLOCK_SIZE, async_scheduling=True
     )
-    prompt = list(range(1, 65))
-    scheduler.add_request(make_request("a", prompt))
+    requests = aborted, retry = create_requests(
+        num_requests=2, num_tokens=64, same_prompt=True
+    )
+    scheduler.add_request(aborted)
     in_flight = scheduler.schedule()
-    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    scheduler.add_request(make_request("retry", prompt))
+    scheduler.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(retry)
     retried = scheduler.schedule()
     [admitted] = retried.scheduled_new_reqs
     assert admitted.num_computed_tokens == 48
     for step_output in (in_flight, retried):
-        scheduler.update_from_output(step_output, make_output(scheduler, step_output))
+        scheduler.update_from_output(
+            step_output, model_runner_output(step_output, requests)
+        )
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
-    assert num_hit_tokens(scheduler, prompt) == 48
+    assert num_hit_tokens(scheduler, retry) == 48
 
 
 def test_reset_prefix_cache_drops_uncommitted_entries():
@@ -270,16 +263,17 @@ def test_reset_prefix_cache_drops_uncommitted_entries():
     scheduler = create_scheduler(
         enable_prefix_caching=True, block_size=BLOCK_SIZE, async_scheduling=True
     )
-    prompt = list(range(1, 65))
-    scheduler.add_request(make_request("a", prompt))
+    requests = create_requests(num_requests=1, num_tokens=64)
+    [request] = requests
+    scheduler.add_request(request)
     in_flight = scheduler.schedule()
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 1
     assert scheduler.reset_prefix_cache(reset_running_requests=True)
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
-    assert num_hit_tokens(scheduler, prompt) == 0
+    assert num_hit_tokens(scheduler, request) == 0
 
     resumed = scheduler.schedule()
-    scheduler.update_from_output(in_flight, make_output(scheduler, in_flight))
-    scheduler.update_from_output(resumed, make_output(scheduler, resumed))
+    scheduler.update_from_output(in_flight, model_runner_output(in_flight, requests))
+    scheduler.update_from_output(resumed, model_runner_output(resumed, requests))
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
-    assert num_hit_tokens(scheduler, prompt) == 48
+    assert num_hit_tokens(scheduler, request) == 48

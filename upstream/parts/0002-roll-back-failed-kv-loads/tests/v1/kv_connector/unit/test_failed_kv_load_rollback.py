@@ -11,98 +11,66 @@ request that counted such KV as computed recomputes it. vLLM issues: #19330 and
 
 import pytest
 
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from .utils import create_mock_connector, create_scheduler, create_vllm_config
+from .test_kv_load_failure_recovery import _make_get_num_new_matched_tokens
+from .utils import (
+    create_mock_connector,
+    create_model_runner_output,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+)
 
 pytestmark = pytest.mark.cpu_test
 
 BLOCK_SIZE = 16
-SAMPLED_TOKEN = 7
-
-
-@pytest.fixture(autouse=True)
-def _init_none_hash():
-    init_none_hash(sha256)
-
-
-def make_request(
-    request_id: str,
-    prompt_token_ids: list[int],
-    max_tokens: int = 4,
-    priority: int = 0,
-    arrival_time: float = 0.0,
-) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        pooling_params=None,
-        priority=priority,
-        arrival_time=arrival_time,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
-
-
-def make_output(
-    scheduler: Scheduler,
-    scheduler_output: SchedulerOutput,
-    invalid_block_ids: set[int] | None = None,
-) -> ModelRunnerOutput:
-    """What the model runner returns for a step: a token for every request that
-    finished its prefill, none for a prefill chunk."""
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled_token_ids: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)
-        prefill_chunk = request is None or request.is_prefill_chunk
-        sampled_token_ids.append([] if prefill_chunk else [SAMPLED_TOKEN])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled_token_ids,
-        kv_connector_output=(
-            KVConnectorOutput(invalid_block_ids=invalid_block_ids)
-            if invalid_block_ids
-            else None
-        ),
-    )
-
-
-def run_step(scheduler: Scheduler) -> SchedulerOutput:
-    """One synchronous engine step."""
-    scheduler_output = scheduler.schedule()
-    scheduler.update_from_output(
-        scheduler_output, make_output(scheduler, scheduler_output)
-    )
-    return scheduler_output
-
-
-def num_hit_tokens(scheduler: Scheduler, prompt_token_ids: list[int]) -> int:
-    """Tokens a new request with this prompt would find in the prefix cache."""
-    probe = make_request("probe", prompt_token_ids)
-    return scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
-
-
-def running_ids(scheduler: Scheduler) -> list[str]:
-    return [request.request_id for request in scheduler.running]
-
-
-# KV-connector loads that fail (#19330, #26813). The loader gets its first three
-# blocks from the connector synchronously: `allocate_slots` registers them in the
-# step that loads them, before the load ran.
-PROMPT = list(range(1, 65))
+# The loader gets its first three blocks from the connector synchronously:
+# `allocate_slots` registers them in the step that loads them, before the load ran.
+NUM_PROMPT_TOKENS = 64
 NUM_LOADED_TOKENS = 48
 
 
+def model_runner_output(
+    scheduler_output: SchedulerOutput,
+    requests: list[Request],
+    invalid_block_ids: set[int] | None = None,
+) -> ModelRunnerOutput:
+    # create_model_runner_output samples even for a prefill chunk; a runner does not.
+    scheduled = [
+        request
+        for request in requests
+        if request.request_id in scheduler_output.num_scheduled_tokens
+    ]
+    output = create_model_runner_output(scheduled, invalid_block_ids=invalid_block_ids)
+    output.sampled_token_ids = [
+        [] if request.is_prefill_chunk else token_ids
+        for request, token_ids in zip(scheduled, output.sampled_token_ids)
+    ]
+    return output
+
+
+def num_hit_tokens(
+    scheduler: Scheduler, request: Request, max_cache_hit_length: int | None = None
+) -> int:
+    """Tokens a new request with `request`'s prompt would find in the prefix
+    cache (all but its last token at most); with `max_cache_hit_length`, a new
+    request whose prompt extends it that far."""
+    if max_cache_hit_length is None:
+        max_cache_hit_length = request.num_prompt_tokens - 1
+    return scheduler.kv_cache_manager.get_computed_blocks(
+        request, max_cache_hit_length
+    )[1]
+
+
 def create_loading_scheduler(
-    policy: str, async_scheduling: bool = False, max_num_batched_tokens: int = 64
+    loader: Request,
+    policy: str,
+    async_scheduling: bool = False,
+    max_num_batched_tokens: int = 64,
 ) -> Scheduler:
     vllm_config = create_vllm_config(
         kv_load_failure_policy=policy,
@@ -113,28 +81,36 @@ def create_loading_scheduler(
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     scheduler = create_scheduler(vllm_config, num_blocks=100)
     scheduler.connector = create_mock_connector()
-    scheduler.connector.get_num_new_matched_tokens.side_effect = match_loader_tokens
+    scheduler.connector.get_num_new_matched_tokens.side_effect = (
+        _make_get_num_new_matched_tokens(
+            {loader.request_id: NUM_LOADED_TOKENS}, async_load=False
+        )
+    )
     scheduler.connector.request_finished.return_value = (False, None)
     scheduler.connector.take_events.return_value = ()
     return scheduler
 
 
-def match_loader_tokens(request: Request, num_computed_tokens: int):
-    if request.request_id == "loader" and num_computed_tokens == 0:
-        return NUM_LOADED_TOKENS, False
-    return 0, False
+def loaded_block_ids(scheduler_output: SchedulerOutput, loader: Request) -> set[int]:
+    """The blocks the connector loads for the loader in the step that admits it."""
+    [block_ids] = [
+        new_req.block_ids[0]
+        for new_req in scheduler_output.scheduled_new_reqs
+        if new_req.req_id == loader.request_id
+    ]
+    return set(block_ids[: NUM_LOADED_TOKENS // BLOCK_SIZE])
 
 
-def loaded_block_ids(scheduler: Scheduler) -> set[int]:
-    block_ids = scheduler.kv_cache_manager.get_block_ids("loader")
-    return {block_id for group in block_ids for block_id in group[:3]}
-
-
-def finish_all(scheduler: Scheduler, max_steps: int = 50) -> None:
+def finish_all(
+    scheduler: Scheduler, requests: list[Request], max_steps: int = 50
+) -> None:
     for _ in range(max_steps):
         if not scheduler.get_num_unfinished_requests():
             return
-        run_step(scheduler)
+        scheduler_output = scheduler.schedule()
+        scheduler.update_from_output(
+            scheduler_output, model_runner_output(scheduler_output, requests)
+        )
     raise AssertionError("requests did not finish")
 
 
@@ -143,34 +119,41 @@ def test_failed_load_of_aborted_loader_is_never_hit(policy: str):
     """#19330: the loader is aborted while its failing step runs; vLLM no longer
     finds it among the requests holding the invalid blocks, so their entries
     stayed, under either policy."""
-    scheduler = create_loading_scheduler(policy)
-    scheduler.add_request(make_request("loader", PROMPT))
+    loader = create_request(
+        num_tokens=NUM_PROMPT_TOKENS, common_prefix_len=NUM_PROMPT_TOKENS
+    )
+    scheduler = create_loading_scheduler(loader, policy)
+    scheduler.add_request(loader)
     scheduler_output = scheduler.schedule()
-    assert scheduler_output.num_scheduled_tokens == {"loader": 16}
-    invalid_block_ids = loaded_block_ids(scheduler)
-    scheduler.finish_requests("loader", RequestStatus.FINISHED_ABORTED)
+    assert scheduler_output.num_scheduled_tokens == {loader.request_id: 16}
+    invalid_block_ids = loaded_block_ids(scheduler_output, loader)
+    scheduler.finish_requests(loader.request_id, RequestStatus.FINISHED_ABORTED)
     scheduler.update_from_output(
         scheduler_output,
-        make_output(scheduler, scheduler_output, invalid_block_ids),
+        model_runner_output(scheduler_output, [loader], invalid_block_ids),
     )
-    assert num_hit_tokens(scheduler, PROMPT) == 0
+    assert num_hit_tokens(scheduler, loader) == 0
 
 
 def test_failed_load_under_recompute_is_never_hit():
     """#26813: under `recompute` the loader is rewound and recomputes its blocks
     later; until then their entries named KV that never arrived."""
-    scheduler = create_loading_scheduler("recompute")
-    scheduler.add_request(make_request("loader", PROMPT))
+    loader = create_request(
+        num_tokens=NUM_PROMPT_TOKENS, common_prefix_len=NUM_PROMPT_TOKENS
+    )
+    scheduler = create_loading_scheduler(loader, "recompute")
+    scheduler.add_request(loader)
     scheduler_output = scheduler.schedule()
-    invalid_block_ids = loaded_block_ids(scheduler)
+    invalid_block_ids = loaded_block_ids(scheduler_output, loader)
     scheduler.update_from_output(
         scheduler_output,
-        make_output(scheduler, scheduler_output, invalid_block_ids),
+        model_runner_output(scheduler_output, [loader], invalid_block_ids),
     )
-    assert num_hit_tokens(scheduler, PROMPT) == 0
-    finish_all(scheduler)
-    # Recomputed, the blocks are cached again.
-    assert num_hit_tokens(scheduler, PROMPT + [0] * BLOCK_SIZE) == 64
+    assert num_hit_tokens(scheduler, loader) == 0
+    finish_all(scheduler, [loader])
+    # Recomputed, the blocks are cached again (a new request whose prompt
+    # extends the loader's hits all of it).
+    assert num_hit_tokens(scheduler, loader, NUM_PROMPT_TOKENS) == 64
 
 
 def test_sharer_of_failed_load_recomputes():
@@ -179,61 +162,76 @@ def test_sharer_of_failed_load_recomputes():
     would keep it as computed. It is preempted to recompute instead, and the
     invalid blocks' entries go (see test_sync_load_failure_with_shared_blocks).
     Under `fail`, vLLM fails every holder of an invalid block already."""
-    scheduler = create_loading_scheduler("recompute")
-    scheduler.add_request(make_request("loader", PROMPT))
-    scheduler.add_request(make_request("sharer", PROMPT))
+    requests = loader, sharer = [
+        create_request(
+            num_tokens=NUM_PROMPT_TOKENS, common_prefix_len=NUM_PROMPT_TOKENS
+        )
+        for _ in range(2)
+    ]
+    scheduler = create_loading_scheduler(loader, "recompute")
+    scheduler.add_request(loader)
+    scheduler.add_request(sharer)
     scheduler_output = scheduler.schedule()
-    assert scheduler_output.num_scheduled_tokens == {"loader": 16, "sharer": 16}
-    invalid_block_ids = loaded_block_ids(scheduler)
-    sharer = scheduler.requests["sharer"]
+    assert scheduler_output.num_scheduled_tokens == {
+        loader.request_id: 16,
+        sharer.request_id: 16,
+    }
+    invalid_block_ids = loaded_block_ids(scheduler_output, loader)
     scheduler.update_from_output(
         scheduler_output,
-        make_output(scheduler, scheduler_output, invalid_block_ids),
+        model_runner_output(scheduler_output, requests, invalid_block_ids),
     )
-    assert running_ids(scheduler) == ["loader"]
+    assert scheduler.running == [loader]
     assert sharer.status == RequestStatus.PREEMPTED
     assert sharer.num_computed_tokens == 0
-    assert num_hit_tokens(scheduler, PROMPT) == 0
+    assert num_hit_tokens(scheduler, loader) == 0
 
 
 def test_failed_load_removes_entries_of_later_steps_in_flight():
     """#26813, async: two steps in flight; the step after the failing one already
     computed (and registered) more of the loader's prompt on top of the invalid KV."""
+    loader = create_request(num_tokens=96)
     scheduler = create_loading_scheduler(
-        "recompute", async_scheduling=True, max_num_batched_tokens=32
+        loader, "recompute", async_scheduling=True, max_num_batched_tokens=32
     )
-    prompt = list(range(1, 97))
-    scheduler.add_request(make_request("loader", prompt))
+    scheduler.add_request(loader)
     failing = scheduler.schedule()
     following = scheduler.schedule()
-    assert following.num_scheduled_tokens == {"loader": 16}
-    invalid_block_ids = loaded_block_ids(scheduler)
+    assert following.num_scheduled_tokens == {loader.request_id: 16}
+    invalid_block_ids = loaded_block_ids(failing, loader)
     scheduler.update_from_output(
-        failing, make_output(scheduler, failing, invalid_block_ids)
+        failing, model_runner_output(failing, [loader], invalid_block_ids)
     )
-    assert num_hit_tokens(scheduler, prompt) == 0
-    scheduler.update_from_output(following, make_output(scheduler, following))
-    assert num_hit_tokens(scheduler, prompt) == 0
+    assert num_hit_tokens(scheduler, loader) == 0
+    scheduler.update_from_output(following, model_runner_output(following, [loader]))
+    assert num_hit_tokens(scheduler, loader) == 0
 
 
 def test_reader_admitted_on_failed_load_recomputes():
     """#26813, async: a request admitted in the next step on a hit of the
     loaded blocks reads KV whose load then fails; it recomputes, and nothing it
     computed over that KV stays cached."""
-    scheduler = create_loading_scheduler("recompute", async_scheduling=True)
-    scheduler.add_request(make_request("loader", PROMPT))
+    loader = create_request(
+        num_tokens=NUM_PROMPT_TOKENS, common_prefix_len=NUM_PROMPT_TOKENS
+    )
+    # The loader's prompt, then 32 tokens of its own.
+    reader = create_request(
+        num_tokens=NUM_PROMPT_TOKENS + 32, common_prefix_len=NUM_PROMPT_TOKENS
+    )
+    requests = [loader, reader]
+    scheduler = create_loading_scheduler(loader, "recompute", async_scheduling=True)
+    scheduler.add_request(loader)
     failing = scheduler.schedule()
-    scheduler.add_request(make_request("reader", PROMPT + list(range(500, 532))))
+    scheduler.add_request(reader)
     following = scheduler.schedule()
     [admitted] = following.scheduled_new_reqs
-    assert admitted.req_id == "reader"
+    assert admitted.req_id == reader.request_id
     assert admitted.num_computed_tokens >= NUM_LOADED_TOKENS  # A hit on the load.
-    reader = scheduler.requests["reader"]
-    invalid_block_ids = loaded_block_ids(scheduler)
+    invalid_block_ids = loaded_block_ids(failing, loader)
     scheduler.update_from_output(
-        failing, make_output(scheduler, failing, invalid_block_ids)
+        failing, model_runner_output(failing, requests, invalid_block_ids)
     )
-    assert "reader" not in running_ids(scheduler)
+    assert reader not in scheduler.running
     assert reader.status == RequestStatus.PREEMPTED
-    scheduler.update_from_output(following, make_output(scheduler, following))
-    assert num_hit_tokens(scheduler, PROMPT + list(range(500, 532))) == 0
+    scheduler.update_from_output(following, model_runner_output(following, requests))
+    assert num_hit_tokens(scheduler, reader) == 0
