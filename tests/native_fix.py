@@ -44,12 +44,14 @@ def simulate_native_fix(
     remove_entry: Any = lambda self, entry: True,
     wired: bool = True,
     failed_kv_loads: bool = True,
+    kv_events: bool = True,
 ) -> None:
     """Give stock vLLM the series' API: an ``UncommittedPrefixCache`` with ``methods``
     (default: :data:`METHODS`), ``BlockPool.remove_uncommitted_entry`` (None: absent),
     if ``wired`` ``Scheduler.uncommitted_prefix_cache``, and if ``failed_kv_loads`` its
     part 2: ``FailedKVLoads.reads_bad_kv`` and ``KVCacheManager.rewind_num_cached_blocks``
-    (without it, ``rollback_failed_loads`` is left out of the default methods too)."""
+    (without it, ``rollback_failed_loads`` is left out of the default methods too), and
+    if ``kv_events`` its part 3: ``BlockPool.uncached_block_hashes``."""
     if methods is None:
         methods = dict(METHODS)
         if not failed_kv_loads:
@@ -70,6 +72,10 @@ def simulate_native_fix(
             "rewind_num_cached_blocks",
             lambda self, uncached: None,
             raising=False,
+        )
+    if kv_events:
+        monkeypatch.setattr(
+            BlockPool, "uncached_block_hashes", lambda self, block_hashes: [], raising=False
         )
     if remove_entry is not None:
         monkeypatch.setattr(BlockPool, "remove_uncommitted_entry", remove_entry, raising=False)

@@ -184,6 +184,7 @@ HALF_SIMILAR: dict[str, dict[str, Any]] = {
     "no exact removal on the pool": {"remove_entry": None},
     "not wired into the scheduler": {"wired": False},
     "the commit fence without the failed-load rollback": {"failed_kv_loads": False},
+    "parts 1-2 without the KV-event rule": {"kv_events": False},
 }
 
 

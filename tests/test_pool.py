@@ -92,8 +92,9 @@ def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
     assert _hit(pool, key) in siblings
 
 
-def test_rollback_removes_exactly_one_pair_and_emits_block_removed() -> None:
-    """Three blocks under one key; rolling back the uncommitted one leaves two."""
+def test_rollback_removes_exactly_one_pair_and_no_key_another_block_caches() -> None:
+    """Three blocks under one key; rolling back the uncommitted one leaves two, and the
+    key stays announced (no ``BlockRemoved``) until the last of them goes."""
     pool, rules = guarded_pool()
     pool.enable_kv_cache_events = True
     request = make_request("r", list(range(1, 17)))
@@ -110,9 +111,13 @@ def test_rollback_removes_exactly_one_pair_and_emits_block_removed() -> None:
     assert fresh.block_hash is None
     assert not pool.cached_block_hash_to_block.contain(key, fresh.block_id)
     assert all(pool.cached_block_hash_to_block.contain(key, b.block_id) for b in committed)
+    assert pool.take_events() == []
+    assert pool.guard_removed == 1
+    pool.evict_blocks({committed[0].block_id})
+    assert pool.take_events() == []
+    pool.evict_blocks({committed[1].block_id})
     (event,) = pool.take_events()
     assert type(event).__name__ == "BlockRemoved"
-    assert pool.guard_removed == 1
 
 
 def test_rollback_skips_a_block_evicted_and_reused_since() -> None:

@@ -102,7 +102,9 @@ def test_every_method_and_name_stands_in_its_part_as_the_rules_have_it() -> None
         patch = part.patch_file.read_text()
         for item in part.generated:
             if isinstance(item, series.Methods):
-                expected = series.class_methods_text(item.rules_module, item.rules_class)
+                expected = series.class_methods_text(
+                    item.rules_module, item.rules_class, item.names
+                )
             elif isinstance(item, series.Names):
                 expected = series.names_text(item.rules_module, item.names)
             else:

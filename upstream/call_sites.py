@@ -291,3 +291,21 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
 """,
     ),
 )
+
+#: Part 3, KV events that stay true with several blocks per hash: ``BlockRemoved`` only
+#: when no block caches the hash any more, on every path that removes one.
+KV_EVENTS: tuple[Edit, ...] = (
+    Edit(
+        BLOCK_POOL,
+        """        if not self.enable_kv_cache_events:
+            return
+        for block_hash in block_hashes:
+            self.kv_event_queue.append(
+                BlockRemoved(""",
+        """        if not self.enable_kv_cache_events:
+            return
+        for block_hash in self.uncached_block_hashes(block_hashes):
+            self.kv_event_queue.append(
+                BlockRemoved(""",
+    ),
+)

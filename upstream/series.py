@@ -38,7 +38,7 @@ PARTS_DIR = HERE / "parts"
 SERIES_DIR = HERE / "series"
 sys.path.insert(0, str(HERE))
 
-from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, Edit  # noqa: E402
+from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, KV_EVENTS, Edit  # noqa: E402
 
 #: Where each rules module lives in vLLM (its import lines are rewritten to these).
 VLLM_MODULES = {
@@ -67,10 +67,11 @@ class NewModule:
 
 @dataclass(frozen=True)
 class Methods:
-    """The methods of a rules class, added to a vLLM class after one of its methods."""
+    """Methods of a rules class, added to a vLLM class after one of its methods."""
 
     rules_module: str
     rules_class: str
+    names: tuple[str, ...]
     vllm_class: str
     after: str
 
@@ -128,7 +129,13 @@ PARTS: tuple[Part, ...] = (
         COMMIT_FENCE,
         (
             Names("block_pool", ("UncommittedEntry", "StepCacheEntries"), "BlockHashToBlockMap"),
-            Methods("block_pool", "UncommittedEntryRemoval", "BlockPool", "_insert_block_hash"),
+            Methods(
+                "block_pool",
+                "BlockPoolAdditions",
+                ("remove_uncommitted_entry",),
+                "BlockPool",
+                "_insert_block_hash",
+            ),
             NewModule("uncommitted", omit=FAILED_LOAD_MEMBERS),
         ),
         tests=("tests/v1/core/test_uncommitted_prefix_cache.py",),
@@ -141,9 +148,31 @@ PARTS: tuple[Part, ...] = (
         (
             NewModule("failed_kv_loads"),
             NewModule("uncommitted"),
-            Methods("kv_cache_manager", "CachedBlockRewind", "KVCacheManager", "cache_blocks"),
+            Methods(
+                "kv_cache_manager",
+                "CachedBlockRewind",
+                ("rewind_num_cached_blocks",),
+                "KVCacheManager",
+                "cache_blocks",
+            ),
         ),
         tests=("tests/v1/kv_connector/unit/test_failed_kv_load_rollback.py",),
+    ),
+    Part(
+        3,
+        "emit-block-removed-for-the-last-copy",
+        "[Core][KV Events] Emit BlockRemoved only once no block caches the hash",
+        KV_EVENTS,
+        (
+            Methods(
+                "block_pool",
+                "BlockPoolAdditions",
+                ("uncached_block_hashes",),
+                "BlockPool",
+                "_emit_block_removed_events",
+            ),
+        ),
+        tests=("tests/v1/core/test_kv_events_duplicate_blocks.py",),
     ),
 )
 
@@ -246,14 +275,15 @@ def _drop_unused_imports(lines: list[str]) -> list[str]:
     return out
 
 
-def class_methods_text(module: str, cls_name: str) -> str:
-    """The methods of a rules class, as they go into a vLLM class body."""
+def class_methods_text(module: str, cls_name: str, names: Iterable[str]) -> str:
+    """Methods of a rules class, in ``names`` order, as they go into a vLLM class body."""
     source = rules_source(module)
     lines = source.splitlines(keepends=True)
     [cls] = [
         n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls_name
     ]
-    methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+    by_name = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    methods = [by_name[name] for name in names]
     return "\n".join("".join(lines[slice(*_segment(lines, m))]) for m in methods)
 
 
@@ -311,7 +341,7 @@ def apply_part(part: Part, files: dict[str, str]) -> dict[str, str]:
         if isinstance(item, NewModule):
             out[item.path] = vllm_module_text(item.rules_module, item.omit)
         elif isinstance(item, Methods):
-            methods = class_methods_text(item.rules_module, item.rules_class)
+            methods = class_methods_text(item.rules_module, item.rules_class, item.names)
             out[item.path] = _insert_methods(out[item.path], item.vllm_class, item.after, methods)
         else:
             names = names_text(item.rules_module, item.names)

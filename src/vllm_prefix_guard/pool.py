@@ -14,7 +14,10 @@ to ``BlockPool`` (``upstream/series.py``), grafted instead of edited in:
 - *exact removal*: ``remove_uncommitted_entry``, inherited verbatim from
   :mod:`vllm_prefix_guard.rules.block_pool`, plus one branch only a plugin needs: a pool
   whose ``evict_blocks`` does more than drop hashes (kvcached's returns the block's
-  physical pages) evicts an unreferenced block through it.
+  physical pages) evicts an unreferenced block through it;
+- *true removal events*: ``BlockRemoved`` for a hash only once no block caches it any
+  more (``uncached_block_hashes``, from the rules), on every path that removes one:
+  vLLM's eviction, partial-to-full promotion and the rules' rollbacks, whichever pool.
 
 It also counts what it recorded and removed, and bumps :attr:`guard_epoch` on every
 successful ``reset_prefix_cache``: the scheduler hooks read these, never the other way.
@@ -28,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_prefix_guard import kvcached_support, targets
 from vllm_prefix_guard.rules.block_pool import (
+    BlockPoolAdditions,
     StepCacheEntries,
     UncommittedEntry,
-    UncommittedEntryRemoval,
 )
 
 if TYPE_CHECKING:
@@ -39,7 +42,7 @@ else:
     _PoolBase = object
 
 
-class PrefixGuardPool(UncommittedEntryRemoval, _PoolBase):
+class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
     """Cooperative mixin: every override calls ``super()`` and passes arguments through."""
 
     # The open step's record (None: no step open, or KV already written).
@@ -48,6 +51,8 @@ class PrefixGuardPool(UncommittedEntryRemoval, _PoolBase):
     _guard_request_id: str | None
     # Bumped on every successful reset_prefix_cache (which drops all hashes at once).
     guard_epoch: int
+    # vLLM's own flag: KV events are published.
+    enable_kv_cache_events: bool
     # The pool's own evict_blocks does more than drop hashes (kvcached's returns the
     # block's physical pages): an undone block nobody holds is evicted through it.
     _guard_evict_releases: bool
@@ -106,6 +111,12 @@ class PrefixGuardPool(UncommittedEntryRemoval, _PoolBase):
             self.guard_recorded += 1
         return result
 
+    def _emit_block_removed_events(self, block_hashes: Any, *args: Any, **kwargs: Any) -> Any:
+        # A hash another block still caches is not removed (the series' part 3).
+        if block_hashes and self.enable_kv_cache_events:
+            block_hashes = self.uncached_block_hashes(block_hashes)
+        return super()._emit_block_removed_events(block_hashes, *args, **kwargs)
+
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         reset = super().reset_prefix_cache(*args, **kwargs)
         if reset:
@@ -159,7 +170,7 @@ def graft(pool: Any, fresh: bool = False) -> Any:
     """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
 
     One guarded class is built per base class, so ``type(pool).__mro__`` reads
-    ``PrefixGuarded<Base> -> PrefixGuardPool -> UncommittedEntryRemoval -> <Base> -> ...``.
+    ``PrefixGuarded<Base> -> PrefixGuardPool -> BlockPoolAdditions -> <Base> -> ...``.
 
     Args:
         pool: the pool vLLM (or kvcached) built.

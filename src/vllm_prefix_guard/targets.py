@@ -129,10 +129,12 @@ POOL_INTERNALS: tuple[Internal, ...] = (
         "BlockPool",
         _POOL,
         "enable_caching",
+        "enable_kv_cache_events",
         "cached_block_hash_to_block",
         "cached_block_hashes_by_block",
     ),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.contain", _POOL, "key", "block_id"),
+    _callable(BLOCK_POOL, "BlockHashToBlockMap.get_one_block", _POOL, "key"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key", "block_id"),
     *_fields(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_id", "ref_cnt", "is_null"),
     *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash"),
@@ -201,7 +203,8 @@ FAILED_KV_LOADS = "vllm.v1.core.sched.failed_kv_loads"
 #: part: the scheduler keeps an ``UncommittedPrefixCache`` whose steps it begins, ends,
 #: commits, resets and rolls back, and the pool removes one uncommitted entry exactly
 #: (part 1, the commit fence); failed KV loads are rolled back and the manager rewinds
-#: its cached-block counts (part 2). ``(owner, name, parameters besides self)``;
+#: its cached-block counts (part 2); ``BlockRemoved`` is emitted only once no block
+#: caches the hash (part 3). ``(owner, name, parameters besides self)``;
 #: ``None``: an attribute the owner's constructor sets. The guard steps aside only when
 #: all of it is there in this shape.
 NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
@@ -220,6 +223,7 @@ NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
         ("FailedKVLoads", "reads_bad_kv", 1),
         ("KVCacheManager", "rewind_num_cached_blocks", 1),
     ),
+    "part 3 (KV events with several blocks per hash)": (("BlockPool", "uncached_block_hashes", 1),),
 }
 NATIVE_FIX: tuple[tuple[str, str, int | None], ...] = tuple(
     name for names in NATIVE_FIX_PARTS.values() for name in names

@@ -102,7 +102,7 @@ def test_every_engine_ran_on_the_pool_it_should(runs: dict[str, Any]) -> None:
         assert runs["guarded"]["pool_mro"][:4] == [
             "PrefixGuardedElasticBlockPool",
             "PrefixGuardPool",
-            "UncommittedEntryRemoval",
+            "BlockPoolAdditions",
             "ElasticBlockPool",
         ]
 

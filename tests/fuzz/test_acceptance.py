@@ -14,6 +14,7 @@ from vllm_prefix_guard.diagnostics.fuzz.differential import (
     EXPLAINED,
     FAIL,
     HITS_CHECK,
+    KV_EVENTS_CHECK,
     OK,
     ConfigResult,
 )
@@ -33,6 +34,28 @@ def test_guard_reads_no_bad_kv(ci_results: dict[str, ConfigResult], config: str)
     result = ci_results[config]
     guard = result.totals["guard"]
     assert guard.violations == 0, (result.violating_seeds["guard"], guard.examples[:5])
+
+
+@pytest.mark.parametrize("config", ALL)
+def test_guard_kv_events_match_its_prefix_cache(
+    ci_results: dict[str, ConfigResult], config: str
+) -> None:
+    """A consumer replayed from the guard's KV events equals the pool's keys after every
+    step (one key in several blocks: ``BlockRemoved`` only for the last). Stock's
+    inconsistencies are its exposure, stated in the check's detail."""
+    result = ci_results[config]
+    guard = result.totals["guard"]
+    assert guard.kv_event_keys_missing == guard.kv_event_keys_extra == 0, _check(
+        result, KV_EVENTS_CHECK
+    )[1]
+
+
+def test_stock_kv_events_disagree_with_its_cache_somewhere(
+    ci_results: dict[str, ConfigResult],
+) -> None:
+    """The event check has teeth: stock vLLM announces cached keys as removed (an evicted
+    copy of a key another block still caches) in the CI runs."""
+    assert sum(r.totals["stock"].kv_event_keys_missing for r in ci_results.values()) > 0
 
 
 @pytest.mark.parametrize("config", TARGETED)

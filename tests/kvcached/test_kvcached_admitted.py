@@ -73,7 +73,7 @@ def test_guard_grafts_onto_kvcached_pool(order: str) -> None:
     assert pool["pool_mro"][:5] == [
         "PrefixGuardedElasticBlockPool",
         "PrefixGuardPool",
-        "UncommittedEntryRemoval",
+        "BlockPoolAdditions",
         "ElasticBlockPool",
         "NativeBlockPoolMixin",
     ]
@@ -209,7 +209,7 @@ def test_kvcached_installed_but_not_enabled_leaves_vllm_pool_to_the_guard(order:
     assert pool["pool_mro"][:4] == [
         "PrefixGuardedBlockPool",
         "PrefixGuardPool",
-        "UncommittedEntryRemoval",
+        "BlockPoolAdditions",
         "BlockPool",
     ]
     assert pool["has_guard"] and not pool["is_elastic"]

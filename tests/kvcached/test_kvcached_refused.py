@@ -32,7 +32,7 @@ def test_not_enabled_the_guard_fixes_the_zombie_on_vllm_pool() -> None:
     assert guarded["pool"]["pool_mro"][:4] == [
         "PrefixGuardedBlockPool",
         "PrefixGuardPool",
-        "UncommittedEntryRemoval",
+        "BlockPoolAdditions",
         "BlockPool",
     ]
     assert unguarded["violations"] > 0 and guarded["violations"] == 0

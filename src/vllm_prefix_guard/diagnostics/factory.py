@@ -53,6 +53,8 @@ class SchedulerSpec:
     sliding_window: int = 0
     # "fail" or "recompute" attaches the fake KV connector with that load-failure policy.
     kv_load_failure_policy: Literal["fail", "recompute"] | None = None
+    # KV events on (the pool queues BlockStored / BlockRemoved; published to nowhere).
+    kv_events: bool = False
     # Any other SchedulerConfig field, passed through.
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -110,6 +112,10 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
             kv_role="kv_both",
             kv_load_failure_policy=spec.kv_load_failure_policy,
         )
+    if spec.kv_events:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     try:
         config = VllmConfig(
             model_config=model_config,

@@ -3,7 +3,7 @@
 """What the upstream series adds to vLLM's `BlockPool`, verbatim.
 
 `upstream/series.py` copies the two type aliases into `vllm/v1/core/block_pool.py`
-(before `BlockHashToBlockMap`) and the methods of `UncommittedEntryRemoval` into
+(before `BlockHashToBlockMap`) and the methods of `BlockPoolAdditions` into
 `BlockPool`; the plugin's pool mixin inherits them. Nothing here may differ
 between the two.
 """
@@ -29,8 +29,8 @@ UncommittedEntry = tuple[BlockHashWithGroupId, KVCacheBlock, int | None]
 StepCacheEntries = dict[str | None, list[UncommittedEntry]]
 
 
-class UncommittedEntryRemoval:
-    """`BlockPool.remove_uncommitted_entry`, as the series adds it."""
+class BlockPoolAdditions:
+    """The methods the series adds to `BlockPool`."""
 
     if TYPE_CHECKING:
         cached_block_hash_to_block: BlockHashToBlockMap
@@ -43,6 +43,30 @@ class UncommittedEntryRemoval:
         def _emit_block_removed_events(
             self, block_hashes: list[BlockHashWithGroupId]
         ) -> None: ...
+
+    def uncached_block_hashes(
+        self, block_hashes: list[BlockHashWithGroupId]
+    ) -> list[BlockHashWithGroupId]:
+        """The hashes among `block_hashes` that no block caches any more.
+
+        Several blocks can be cached under one hash: requests that compute the
+        same prefix concurrently each fill a block of their own. `BlockRemoved`
+        tells KV-event consumers (KV-aware routers) that this engine no longer
+        caches the hash, so it is due only when the last of those blocks loses
+        it; until then a request still hits the others.
+
+        Args:
+            block_hashes: Hashes just removed from the prefix cache, each from
+                one block.
+
+        Returns:
+            Those that no other block is cached under.
+        """
+        return [
+            block_hash
+            for block_hash in block_hashes
+            if self.cached_block_hash_to_block.get_one_block(block_hash) is None
+        ]
 
     def remove_uncommitted_entry(self, entry: UncommittedEntry) -> bool:
         """Remove one uncommitted prefix-cache entry, and only that one.

@@ -73,6 +73,8 @@ def _spec(**overrides: Any) -> SchedulerSpec:
         max_num_batched_tokens=256,
         max_model_len=4096,
         long_prefill_token_threshold=64,
+        # Every run replays the KV-event stream against the pool (oracle.MeteredDriver).
+        kv_events=True,
     )
     base.update(overrides)
     return SchedulerSpec(**base)

@@ -34,6 +34,7 @@ from vllm_prefix_guard.diagnostics.fuzz.configs import FuzzConfig
 from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, RunResult, run_workload
 
 HITS_CHECK = "guard hit tokens >= stock's valid hit tokens"
+KV_EVENTS_CHECK = "guard's KV events match its prefix cache after every step"
 
 _PEAKS = {"peak_uncommitted_entries"}
 _NOT_SUMMED = {"mode", "first_violation_iteration", "examples", "audit", "decisions"}
@@ -104,6 +105,21 @@ class ConfigResult:
                 bad = totals[mode].violations
                 detail = f"{bad} bad reads" + _seeds_note(self.violating_seeds[mode])
                 checks.append(Check(f"{mode} reads no bad KV", OK if bad == 0 else FAIL, detail))
+        if "guard" in totals:
+            guard = totals["guard"]
+            wrong = guard.kv_event_keys_missing + guard.kv_event_keys_extra
+            detail = (
+                f"{guard.kv_event_keys_missing} keys missing, {guard.kv_event_keys_extra} "
+                f"extra, summed over {guard.kv_event_inconsistent_steps} steps"
+            )
+            if "stock" in totals:
+                stock = totals["stock"]
+                detail += (
+                    f"; stock: {stock.kv_event_keys_missing} missing, "
+                    f"{stock.kv_event_keys_extra} extra over "
+                    f"{stock.kv_event_inconsistent_steps} steps"
+                )
+            checks.append(Check(KV_EVENTS_CHECK, OK if wrong == 0 else FAIL, detail))
         for mode in ("guard",):
             audit = totals[mode].audit if mode in totals else None
             if audit is not None:

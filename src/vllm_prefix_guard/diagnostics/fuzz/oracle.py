@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver, ScheduledRead, ShadowKV, StepPlan
 
 
@@ -87,6 +88,8 @@ class MeteredDriver(Driver):
     ) -> None:
         super().__init__(scheduler, depth, sample)
         self.worker.kv = self.fuzz_kv = FuzzKV(self.worker.block_size)
+        # With KV events on: a consumer replayed from them, checked after every step.
+        self.events = KVEventReplay(scheduler) if KVEventReplay.enabled(scheduler) else None
         self.steps = 0
         self.request_hit_tokens = 0
         self.computed_tokens = 0
@@ -106,7 +109,10 @@ class MeteredDriver(Driver):
     def complete(self) -> Any:
         plan = self.in_flight[0]
         try:
-            return super().complete()
+            result = super().complete()
+            if self.events is not None:
+                self.events.check()
+            return result
         finally:
             # The oracle does not check every read (e.g. of a request whose load failed);
             # forget them all, so a later read reusing an id is not taken for one.

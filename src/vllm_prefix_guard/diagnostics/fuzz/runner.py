@@ -86,6 +86,12 @@ class RunResult:
     # last release) for any other reason, and how many were left.
     stalled_runs: int = 0
     stalled_requests: int = 0
+    # KV events (configurations with them on): keys a consumer replayed from the stream
+    # lacks or has in excess against the pool's index, summed over the steps after which
+    # it disagreed, and how many such steps.
+    kv_event_keys_missing: int = 0
+    kv_event_keys_extra: int = 0
+    kv_event_inconsistent_steps: int = 0
     # Digest of every step's decisions (MeteredDriver.decisions): equal digests, equal
     # trajectories. Meaningful between runs of one workload in one process.
     decisions: int = 0
@@ -287,6 +293,10 @@ def _result(
             (v.step, v.request_id, v.position, v.block_id, v.kind) for v in driver.kv.violations
         ],
     )
+    if driver.events is not None:
+        result.kv_event_keys_missing = driver.events.missing
+        result.kv_event_keys_extra = driver.events.extra
+        result.kv_event_inconsistent_steps = driver.events.inconsistent_steps
     if guard is not None:
         if isinstance(guard.rules, EveryStepInFlight):
             result.rolled_back_in_flight = guard.rules.entries
