@@ -43,6 +43,7 @@ DIAGNOSTICS = {
     "diagnostics/__init__",
     "diagnostics/connector",
     "diagnostics/factory",
+    "diagnostics/kv_events",
     "diagnostics/records",
     "diagnostics/selftest",
     "diagnostics/shadow_kv",

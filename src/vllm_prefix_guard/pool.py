@@ -27,6 +27,8 @@ built, so it relies on no constructor: :func:`graft` sets its state up.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_prefix_guard import kvcached_support, targets
@@ -43,7 +45,8 @@ else:
 
 
 class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
-    """Cooperative mixin: every override calls ``super()`` and passes arguments through."""
+    """Cooperative mixin: every override runs the next implementation (the grafted
+    class's own), passing every argument through."""
 
     # The open step's record (None: no step open, or KV already written).
     uncommitted_entries: StepCacheEntries | None
@@ -60,6 +63,12 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
     guard_recorded: int
     guard_removed: int
     guard_stale: int
+    # The grafted class's own implementation of each targets.FORWARDED method (graft() binds
+    # them per guarded class, as static functions called with the pool).
+    _next_cache_full_blocks: Callable[..., Any]
+    _next_cache_partial_block: Callable[..., Any]
+    _next_insert_block_hash: Callable[..., Any]
+    _next_emit_block_removed_events: Callable[..., Any]
 
     def _guard_init_state(self) -> None:
         self.uncommitted_entries = None
@@ -71,38 +80,91 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
 
     # -- recording -------------------------------------------------------------------
 
-    def cache_full_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Any = None,
+    ) -> Any:
         if self.uncommitted_entries is None:
-            return super().cache_full_blocks(request, *args, **kwargs)
+            return self._next_cache_full_blocks(
+                self,
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            )
         self._guard_request_id = request.request_id
         try:
-            return super().cache_full_blocks(request, *args, **kwargs)
+            return self._next_cache_full_blocks(
+                self,
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            )
         finally:
             self._guard_request_id = None
 
-    def cache_partial_block(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: Any,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Any:
         if self.uncommitted_entries is None:
-            return super().cache_partial_block(request, *args, **kwargs)
+            return self._next_cache_partial_block(
+                self,
+                request,
+                block,
+                num_tokens,
+                kv_cache_group_id,
+                block_size,
+                replace_existing_hashes,
+            )
         self._guard_request_id = request.request_id
         try:
-            return super().cache_partial_block(request, *args, **kwargs)
+            return self._next_cache_partial_block(
+                self,
+                request,
+                block,
+                num_tokens,
+                kv_cache_group_id,
+                block_size,
+                replace_existing_hashes,
+            )
         finally:
             self._guard_request_id = None
 
-    def _insert_block_hash(self, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
+    def _insert_block_hash(
+        self, block_hash_with_group_id: Any, block: Any, num_tokens: int | None
+    ) -> Any:
         entries = self.uncommitted_entries
         if entries is None:
-            return super()._insert_block_hash(key, block, *args, **kwargs)
+            return self._next_insert_block_hash(self, block_hash_with_group_id, block, num_tokens)
+        key = block_hash_with_group_id
         # vLLM's own test for "already registered" (equality), asked before it acts: an
         # unhashed block is in no entry yet (every removal path clears all of its keys).
-        is_new = block.block_hash is None or (
-            block.block_hash != key
-            and not self.cached_block_hash_to_block.contain(key, block.block_id)
+        held = block.block_hash
+        is_new = held is None or (
+            held != key and not self.cached_block_hash_to_block.contain(key, block.block_id)
         )
-        result = super()._insert_block_hash(key, block, *args, **kwargs)
+        result = self._next_insert_block_hash(self, key, block, num_tokens)
         if is_new:
-            # The prefix length the key names: which tokens' KV the block must hold.
-            num_tokens = kwargs.get("num_tokens", args[0] if args else None)
+            # num_tokens: the prefix length the key names (which tokens' KV it must hold).
             request_entries = entries.get(self._guard_request_id)
             if request_entries is None:
                 entries[self._guard_request_id] = [(key, block, num_tokens)]
@@ -111,11 +173,11 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
             self.guard_recorded += 1
         return result
 
-    def _emit_block_removed_events(self, block_hashes: Any, *args: Any, **kwargs: Any) -> Any:
+    def _emit_block_removed_events(self, block_hashes: Any) -> Any:
         # A hash another block still caches is not removed (the series' part 3).
         if block_hashes and self.enable_kv_cache_events:
             block_hashes = self.uncached_block_hashes(block_hashes)
-        return super()._emit_block_removed_events(block_hashes, *args, **kwargs)
+        return self._next_emit_block_removed_events(self, block_hashes)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         reset = super().reset_prefix_cache(*args, **kwargs)
@@ -166,6 +228,28 @@ def missing_pool_internals(pool: Any) -> list[str]:
     return missing
 
 
+def next_implementations(base: type) -> dict[str, staticmethod[..., Any]]:
+    """``_next_<name>`` -> ``base``'s own implementation of each method in
+    :data:`targets.FORWARDED`.
+
+    Raises:
+        GuardUnsupportedError: one of them takes other parameters than FORWARDED names
+            (the override forwards exactly those).
+    """
+    bound: dict[str, staticmethod[..., Any]] = {}
+    for name, parameters in targets.FORWARDED.items():
+        implementation = getattr(base, name)
+        taken = tuple(inspect.signature(implementation).parameters)[1:]
+        if taken != parameters:
+            raise targets.unsupported(
+                f"{base.__module__}.{base.__qualname__}.{name}",
+                f"takes ({', '.join(taken)}), not ({', '.join(parameters)})",
+                kvcached_support.refusal_hint(base),
+            )
+        bound[f"_next_{name.lstrip('_')}"] = staticmethod(implementation)
+    return bound
+
+
 def graft(pool: Any, fresh: bool = False) -> Any:
     """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
 
@@ -197,8 +281,11 @@ def graft(pool: Any, fresh: bool = False) -> Any:
         )
     guarded = _GUARDED_CLASSES.get(base)
     if guarded is None:
+        forwarded = next_implementations(base)
         guarded = type(
-            f"PrefixGuarded{base.__name__}", (PrefixGuardPool, base), {"__module__": __name__}
+            f"PrefixGuarded{base.__name__}",
+            (PrefixGuardPool, base),
+            {"__module__": __name__, **forwarded},
         )
         _GUARDED_CLASSES[base] = guarded
     blocks = getattr(pool, "blocks", None)

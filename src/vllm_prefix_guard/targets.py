@@ -60,6 +60,9 @@ class Internal:
     kind: Kind
     used_by: str
     params: tuple[str, ...] = ()
+    #: The parameters besides ``self`` must be exactly ``params``, in order (the guard
+    #: forwards them by name), not merely include them.
+    exact: bool = False
 
     @property
     def owner(self) -> str | None:
@@ -108,20 +111,39 @@ SCHEDULER_HOOKS: tuple[Internal, ...] = (
 #: What the pool mixin overrides or calls. Checked on vLLM's ``BlockPool`` at start-up
 #: and again, by name, on the live pool it is grafted onto (a replacement such as
 #: kvcached's may lack what vLLM's has).
-POOL_INTERNALS: tuple[Internal, ...] = (
-    _callable(BLOCK_POOL, "BlockPool.cache_full_blocks", _POOL, "request", "blocks"),
-    _callable(BLOCK_POOL, "BlockPool.cache_partial_block", _POOL, "request", "block"),
-    _callable(BLOCK_POOL, "BlockPool.move_block_hashes", _POOL, "src_block", "dst_block"),
-    _callable(
-        BLOCK_POOL,
-        "BlockPool._insert_block_hash",
-        _POOL,
-        "block_hash_with_group_id",
+#: The pool methods the mixin overrides on the hot path, with exactly the parameters vLLM
+#: 0.30-0.33 give them: the overrides take and forward them by name, so a call costs one
+#: plain frame (no ``*args``/``**kwargs`` packing, no ``super()`` object), and any other
+#: signature stops start-up (checked here, and on the live pool's class when grafting).
+FORWARDED: dict[str, tuple[str, ...]] = {
+    "cache_full_blocks": (
+        "request",
+        "blocks",
+        "num_cached_blocks",
+        "num_full_blocks",
+        "block_size",
+        "kv_cache_group_id",
+        "block_mask",
+    ),
+    "cache_partial_block": (
+        "request",
         "block",
         "num_tokens",
+        "kv_cache_group_id",
+        "block_size",
+        "replace_existing_hashes",
     ),
+    "_insert_block_hash": ("block_hash_with_group_id", "block", "num_tokens"),
+    "_emit_block_removed_events": ("block_hashes",),
+}
+
+POOL_INTERNALS: tuple[Internal, ...] = (
+    *(
+        Internal(BLOCK_POOL, f"BlockPool.{name}", Kind.CALLABLE, _POOL, params, exact=True)
+        for name, params in FORWARDED.items()
+    ),
+    _callable(BLOCK_POOL, "BlockPool.move_block_hashes", _POOL, "src_block", "dst_block"),
     _callable(BLOCK_POOL, "BlockPool._remove_cached_block_hashes", _POOL, "block"),
-    _callable(BLOCK_POOL, "BlockPool._emit_block_removed_events", _POOL, "block_hashes"),
     _callable(BLOCK_POOL, "BlockPool.reset_prefix_cache", _POOL),
     _callable(BLOCK_POOL, "BlockPool.evict_blocks", _POOL, "block_ids"),
     *_attributes(
@@ -418,6 +440,13 @@ def _check_callable(internal: Internal, owner: Any) -> Any:
     missing = [p for p in internal.params if p not in parameters]
     if missing:
         raise unsupported(internal.qualname, f"no longer takes {', '.join(missing)}")
+    taken = tuple(parameters)[1:]
+    if internal.exact and taken != internal.params:
+        raise unsupported(
+            internal.qualname,
+            f"takes ({', '.join(taken)}), not exactly ({', '.join(internal.params)}) "
+            f"(used by {internal.used_by})",
+        )
     return fn
 
 

@@ -406,8 +406,8 @@ class IdealPolicy(RollbackAudit):
         super().__init__(scheduler, driver)
         self.kept_entries = 0
         self.kept_readers = 0
-        self._cache_key: tuple[int, int] | None = None
-        self._cache: tuple[ShadowKV, set[int]] = (ShadowKV(self.block_size), set())
+        self._prediction_key: tuple[int, int] | None = None
+        self._prediction: tuple[ShadowKV, set[int]] = (ShadowKV(self.block_size), set())
 
     def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
         if self.keeps(entry):
@@ -437,16 +437,16 @@ class IdealPolicy(RollbackAudit):
         driver = self.driver
         worker: ShadowWorker = driver.worker
         key = (worker.steps_executed, len(driver.in_flight))
-        if key == self._cache_key:
-            return self._cache
+        if key == self._prediction_key:
+            return self._prediction
         twin = worker.fork()
         invalid: set[int] = set()
         for plan in list(driver.in_flight):
             twin.kv.step = self._step_of.get(id(plan.output), -1)
             twin.execute(plan)
             invalid.update(b for load in plan.loads if load.fails for b in load.block_ids)
-        self._cache_key, self._cache = key, (twin.kv, invalid)
-        return self._cache
+        self._prediction_key, self._prediction = key, (twin.kv, invalid)
+        return self._prediction
 
     def valid_final(self, reg: Registration) -> bool:
         kv, invalid = self._final()
