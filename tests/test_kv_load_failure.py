@@ -12,29 +12,20 @@ from __future__ import annotations
 
 import pytest
 
+from layouts import (
+    FAILED_LOAD_PROMPT,
+    failed_load_two_in_flight,
+    failed_sync_load,
+    shrunk_async_priority,
+)
+from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Reset, Workload
 from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT, Driver
 from vllm_prefix_guard.hooks import guard_of
 
-PROMPT = list(range(1, 65))  # 4 blocks; the connector holds the first 3
-
-
-def run_failed_load(policy: str, abort_before_update: bool) -> Driver:
-    scheduler = make_scheduler(
-        num_blocks=40, kv_load_failure_policy=policy, long_prefill_token_threshold=16
-    )
-    scheduler.connector.external_tokens["r"] = 48
-    scheduler.connector.fail_loads.add("r")
-    driver = Driver(scheduler)
-    driver.add(make_request("r", PROMPT, max_tokens=4))
-    output = driver.schedule()
-    assert output.num_scheduled_tokens == {"r": 16}  # 48 tokens come from the connector
-    if abort_before_update:
-        driver.abort("r")
-    driver.complete()
-    driver.add(make_request("s", PROMPT, max_tokens=4))
-    driver.run()
-    return driver
+PROMPT = FAILED_LOAD_PROMPT
 
 
 CASES = {
@@ -47,16 +38,19 @@ CASES = {
 
 @pytest.mark.parametrize(("policy", "aborted", "stock_fails"), CASES.values(), ids=CASES.keys())
 def test_failed_load_is_never_hit(mode: str, policy: str, aborted: bool, stock_fails: bool) -> None:
-    driver = run_failed_load(policy, aborted)
+    driver = failed_sync_load(policy, aborted)
     if mode == "stock":
         assert (driver.kv.counts[NEVER_WRITTEN] > 0) == stock_fails
         if stock_fails:
             assert {v.request_id for v in driver.kv.violations} == {"s"}
-        return
-    assert driver.violations == 0
-    if mode == "native":
-        return  # vLLM's own fix runs no guard: the oracle is the judge
-    scheduler_guard = guard_of(driver.scheduler)
+    else:
+        assert driver.violations == 0
+
+
+@guard_only("the guard's ledger")
+@pytest.mark.parametrize(("policy", "aborted"), [c[:2] for c in CASES.values()], ids=CASES.keys())
+def test_failed_load_is_rolled_back(guard: None, policy: str, aborted: bool) -> None:
+    scheduler_guard = guard_of(failed_sync_load(policy, aborted).scheduler)
     assert scheduler_guard is not None and scheduler_guard.is_idle
     # The three loaded blocks at least.
     assert scheduler_guard.stats.rolled_back_kv_load_failure >= 3
@@ -65,7 +59,7 @@ def test_failed_load_is_never_hit(mode: str, policy: str, aborted: bool, stock_f
 def test_recompute_re_registers_blocks_once_rewritten(guard: None) -> None:
     """After the rollback the request that keeps its blocks registers them again when it
     recomputes them, so the cache is not permanently poorer for the failure."""
-    driver = run_failed_load("recompute", abort_before_update=False)
+    driver = failed_sync_load("recompute", abort_before_update=False)
     probe = make_request("probe", PROMPT + [5] * 16)
     num_hit_tokens = driver.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
     assert num_hit_tokens == 64
@@ -74,37 +68,18 @@ def test_recompute_re_registers_blocks_once_rewritten(guard: None) -> None:
 def test_failed_load_rolls_back_later_in_flight_steps(mode: str) -> None:
     """Two steps in flight: the step after the failing one already computed (and
     registered) more of the prompt on top of the invalid KV; those entries go too."""
-    scheduler = make_scheduler(
-        num_blocks=40,
-        kv_load_failure_policy="recompute",
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        long_prefill_token_threshold=16,
-        async_scheduling=True,
-    )
-    scheduler.connector.external_tokens["r"] = 48
-    scheduler.connector.fail_loads.add("r")
-    driver = Driver(scheduler, depth=2)
-    prompt = list(range(1, 97))
-    driver.add(make_request("r", prompt, max_tokens=4))
-    failing = driver.schedule()
-    following = driver.schedule()
-    # Blocks 3-4 (vLLM >= 0.31 lifts long_prefill_token_threshold for a lone request) or
-    # block 3 only (vLLM 0.30 caps it), over the invalid prefix; then one more block.
-    assert failing.num_scheduled_tokens["r"] in (16, 32)
-    assert following.num_scheduled_tokens == {"r": 16}
-    computed_blocks = (failing.num_scheduled_tokens["r"] + 16) // 16
-    driver.complete()
-    driver.add(make_request("s", prompt, max_tokens=4))
-    driver.run()
+    driver, _ = failed_load_two_in_flight()
     if mode == "stock":
         assert driver.kv.counts[NEVER_WRITTEN] > 0 and driver.kv.counts[WRONG_CONTENT] > 0
         assert {v.request_id for v in driver.kv.violations} == {"s"}
-        return
-    assert driver.violations == 0
-    if mode == "native":
-        return  # vLLM's own fix runs no guard: the oracle is the judge
-    scheduler_guard = guard_of(scheduler)
+    else:
+        assert driver.violations == 0
+
+
+@guard_only("the guard's ledger")
+def test_failed_load_rollback_counts_the_later_steps_blocks(guard: None) -> None:
+    driver, computed_blocks = failed_load_two_in_flight()
+    scheduler_guard = guard_of(driver.scheduler)
     # The three loaded blocks and every block computed on top of them.
     assert scheduler_guard is not None
     assert scheduler_guard.stats.rolled_back_kv_load_failure == 3 + computed_blocks
@@ -115,19 +90,8 @@ def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
     load and r0's hit on it land in one step; the next step, already dispatched when the
     failure is reported, preempts r0. r0's registrations computed over the invalid KV
     must go although r0 no longer holds a block (stock: r0 resumes and reads them)."""
-    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
-    from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-    from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Reset, Workload
-
     workload = Workload(
-        spec=SchedulerSpec(
-            num_blocks=40,
-            max_model_len=4096,
-            policy="priority",
-            long_prefill_token_threshold=64,
-            async_scheduling=True,
-            kv_load_failure_policy="recompute",
-        ),
+        spec=shrunk_async_priority(kv_load_failure_policy="recompute"),
         depth=2,
         events=(
             Arrive(0, "r0", prompt=((1000, 32), (2000, 66), (3000, 21)), max_tokens=23, priority=4),
@@ -223,6 +187,32 @@ def test_reader_failed_by_vllm_is_rolled_back(mode: str) -> None:
 SHARER_CONTINUATIONS = ("loader-runs-on", "loader-aborted", "newcomer")
 
 
+def sharer_of_a_failed_sync_load(continuation: str) -> tuple[Driver, int]:
+    """The loader's sync load and the sharer's hit on it in one step; the load fails
+    (``recompute``), reported when that step completes; then ``continuation`` and
+    everything runs out. Returns the driver and the tokens the sharer counted as computed
+    right after the failure was reported."""
+    scheduler = make_scheduler(
+        num_blocks=40, kv_load_failure_policy="recompute", long_prefill_token_threshold=16
+    )
+    scheduler.connector.external_tokens["loader"] = 48
+    scheduler.connector.fail_loads.add("loader")
+    driver = Driver(scheduler)
+    driver.add(make_request("loader", PROMPT, max_tokens=4))
+    driver.add(make_request("sharer", PROMPT, max_tokens=4))
+    output = driver.schedule()
+    # The sharer hit the three blocks the loader registered for its (failing) load.
+    assert output.num_scheduled_tokens == {"loader": 16, "sharer": 16}
+    driver.complete()
+    computed = scheduler.requests["sharer"].num_computed_tokens
+    if continuation == "loader-aborted":
+        driver.abort("loader")
+    elif continuation == "newcomer":
+        driver.add(make_request("newcomer", PROMPT, max_tokens=4))
+    driver.run()
+    return driver, computed
+
+
 @pytest.mark.parametrize("continuation", SHARER_CONTINUATIONS)
 def test_sharer_of_a_failed_sync_load(mode: str, continuation: str) -> None:
     """vLLM's own ``test_sync_load_failure_with_shared_blocks``
@@ -236,37 +226,24 @@ def test_sharer_of_a_failed_sync_load(mode: str, continuation: str) -> None:
     newcomer with the same prefix arrives (it hits them). The guard preempts the sharer
     and rolls the invalid blocks' entries back, so vLLM's test (which asserts the sharer
     keeps running) fails guarded on purpose: tests/vllm_suite/expected_differences.toml."""
-    scheduler = make_scheduler(
-        num_blocks=40, kv_load_failure_policy="recompute", long_prefill_token_threshold=16
-    )
-    scheduler.connector.external_tokens["loader"] = 48
-    scheduler.connector.fail_loads.add("loader")
-    driver = Driver(scheduler)
-    driver.add(make_request("loader", PROMPT, max_tokens=4))
-    driver.add(make_request("sharer", PROMPT, max_tokens=4))
-    output = driver.schedule()
-    # The sharer hit the three blocks the loader registered for its (failing) load.
-    assert output.num_scheduled_tokens == {"loader": 16, "sharer": 16}
-    driver.complete()
-    sharer = scheduler.requests["sharer"]
+    driver, sharer_computed = sharer_of_a_failed_sync_load(continuation)
     if mode == "stock":
-        assert sharer.num_computed_tokens == 48  # the failed blocks count as computed
-    else:
-        assert sharer.num_computed_tokens == 0  # preempted: it recomputes
-    if continuation == "loader-aborted":
-        driver.abort("loader")
-    elif continuation == "newcomer":
-        driver.add(make_request("newcomer", PROMPT, max_tokens=4))
-    driver.run()
-    if mode == "stock":
+        assert sharer_computed == 48  # the failed blocks count as computed
         readers = {v.request_id for v in driver.kv.violations}
         assert readers == ({"sharer", "newcomer"} if continuation == "newcomer" else {"sharer"})
         assert driver.kv.counts[NEVER_WRITTEN] > 0
-        return
-    assert driver.violations == 0
-    if mode == "native":
-        return  # vLLM's own fix runs no guard: the oracle is the judge
-    scheduler_guard = guard_of(scheduler)
+    else:
+        assert sharer_computed == 0  # preempted: it recomputes
+        assert driver.violations == 0
+
+
+@guard_only("the guard's ledger")
+@pytest.mark.parametrize("continuation", SHARER_CONTINUATIONS)
+def test_sharer_of_a_failed_sync_load_is_preempted_by_the_guard(
+    guard: None, continuation: str
+) -> None:
+    driver, _ = sharer_of_a_failed_sync_load(continuation)
+    scheduler_guard = guard_of(driver.scheduler)
     assert scheduler_guard is not None and scheduler_guard.is_idle
     assert scheduler_guard.stats.dependents_preempted == 1
     assert scheduler_guard.stats.rolled_back_kv_load_failure == 5

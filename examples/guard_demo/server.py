@@ -108,12 +108,14 @@ def serve_args(
     shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S,
     data_parallel_size: int = 1,
     api_server_count: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Command line for a tiny-model api_server on ``127.0.0.1:port``.
 
     ``data_parallel_size`` > 1 starts that many EngineCores behind the one API server.
     ``api_server_count`` starts that many API servers on the port instead (``vllm serve``,
-    which then shares vLLM's Prometheus multiprocess directory among them).
+    which then shares vLLM's Prometheus multiprocess directory among them). ``extra_args``
+    go last (e.g. ``--kv-transfer-config``).
 
     The scheduling knobs make preemption routine on a small cache: priority policy (the only
     policy whose victim can be a request already scheduled in the same step), optimistic
@@ -167,6 +169,7 @@ def serve_args(
         "--shutdown-timeout",
         str(shutdown_timeout_s),
         "--disable-uvicorn-access-log",
+        *extra_args,
     ]
 
 

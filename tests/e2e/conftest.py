@@ -8,19 +8,23 @@ SIGKILL to the whole group) in that fixture's finalizer, whether the tests passe
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from server_pair import LaunchServer, Servers
 
-from guard_demo.server import ApiServer
+from guard_demo.server import (
+    GUARDED_NUM_GPU_BLOCKS,
+    REFERENCE_NUM_GPU_BLOCKS,
+    STARTUP_TIMEOUT_S,
+    ApiServer,
+)
 from guard_demo.tiny_model import generate_tiny_model
 
 # vLLM's CPU backend sizes its KV cache from this (GiB); the tests override the block count.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-LaunchServer = Callable[..., ApiServer]
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +57,30 @@ def launch_server(
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded_server_options() -> dict[str, Any]:
+    """:func:`~guard_demo.server.serve_args` keywords of the module's guarded server; a
+    module that needs another one (a KV connector, a larger cache) overrides this fixture."""
+    return {"num_gpu_blocks": GUARDED_NUM_GPU_BLOCKS}
+
+
+@pytest.fixture(scope="module")
+def servers(
+    launch_server: LaunchServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    guarded_server_options: dict[str, Any],
+) -> Servers:
+    """The guarded server (``VLLM_PREFIX_GUARD=1``, prefix caching, a stats file) and the
+    reference, started side by side and healthy; stopped when the module ends."""
+    stats_file = tmp_path_factory.mktemp("guard-stats") / "stats.json"
+    guarded = launch_server(
+        "guarded", guard="1", stats_file=stats_file, prefix_caching=True, **guarded_server_options
+    )
+    reference = launch_server(
+        "reference", guard=None, prefix_caching=False, num_gpu_blocks=REFERENCE_NUM_GPU_BLOCKS
+    )
+    guarded.wait_healthy(STARTUP_TIMEOUT_S)
+    reference.wait_healthy(STARTUP_TIMEOUT_S)
+    return Servers(guarded, reference, stats_file)

@@ -15,13 +15,12 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from server_pair import Servers
 
-import guard_demo
 from guard_demo.connector_scenarios import (
     failing_transfer_config,
     server_prefixes,
@@ -29,15 +28,7 @@ from guard_demo.connector_scenarios import (
     store_prompts,
 )
 from guard_demo.reference_check import check_against_reference
-from guard_demo.server import (
-    REFERENCE_NUM_GPU_BLOCKS,
-    STARTUP_TIMEOUT_S,
-    ApiServer,
-    free_port,
-    http_get_text,
-    serve_args,
-    server_env,
-)
+from guard_demo.server import http_get_text
 
 pytestmark = pytest.mark.e2e
 
@@ -45,56 +36,28 @@ pytestmark = pytest.mark.e2e
 #: (``ExampleConnector`` cannot reload a request preempted after it decoded: it keys
 #: the reload by prompt and output tokens, which it never stored).
 NUM_GPU_BLOCKS = 160
-EXAMPLES_DIR = Path(guard_demo.__file__).resolve().parent.parent
 _ROLLBACKS_LINE = re.compile(
     r'^vllm:prefix_guard_rollbacks_total\{[^}]*cause="kv_load_failure"[^}]*\}\s+(\S+)$',
     re.MULTILINE,
 )
 
 
-@dataclass(frozen=True)
-class Servers:
-    guarded: ApiServer
-    reference: ApiServer
-    stats_file: Path
-
-
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def guarded_server_options(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The prefixes stored (in-process, guard off) where the guarded server's failing
+    connector loads them from."""
     storage = tmp_path_factory.mktemp("kv-store")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("VLLM_PREFIX_GUARD", raising=False)
         store_prompts(tiny_model, storage, [[*p, 1, 2] for p in server_prefixes()])
     assert len(os.listdir(storage)) == len(server_prefixes())
-
-    logs = tmp_path_factory.mktemp("kv-servers")
-    stats_file = logs / "guard-stats.json"
-    port = free_port()
     transfer = failing_transfer_config(storage, "recompute", fail_blocks=0, fail_seed=1)
-    args = serve_args(tiny_model, port, prefix_caching=True, num_gpu_blocks=NUM_GPU_BLOCKS)
-    env = server_env("1", stats_file=stats_file)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(EXAMPLES_DIR), env.get("PYTHONPATH", "")) if p
-    )
-    guarded = ApiServer(
-        [*args, "--kv-transfer-config", json.dumps(transfer)], env, logs / "guarded.log", port
-    )
-    reference = ApiServer.for_model(
-        tiny_model,
-        logs / "reference.log",
-        guard=None,
-        prefix_caching=False,
-        num_gpu_blocks=REFERENCE_NUM_GPU_BLOCKS,
-    )
-    try:
-        guarded.start()
-        reference.start()
-        guarded.wait_healthy(STARTUP_TIMEOUT_S)
-        reference.wait_healthy(STARTUP_TIMEOUT_S)
-        yield Servers(guarded, reference, stats_file)
-    finally:
-        guarded.stop()
-        reference.stop()
+    return {
+        "num_gpu_blocks": NUM_GPU_BLOCKS,
+        "extra_args": ["--kv-transfer-config", json.dumps(transfer)],
+    }
 
 
 def test_guarded_server_with_failing_connector_matches_reference(servers: Servers) -> None:

@@ -9,54 +9,19 @@ EngineCore's scheduler from the environment alone.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
+from server_pair import LaunchServer, Servers
 
 from guard_demo.metrics import read_guard_rollbacks
 from guard_demo.reference_check import check_against_reference
-from guard_demo.server import (
-    GUARDED_NUM_GPU_BLOCKS,
-    REFERENCE_NUM_GPU_BLOCKS,
-    STARTUP_TIMEOUT_S,
-    ApiServer,
-    http_get_text,
-)
+from guard_demo.server import GUARDED_NUM_GPU_BLOCKS, STARTUP_TIMEOUT_S, http_get_text
 from guard_demo.workload import make_workload
 
 pytestmark = pytest.mark.e2e
 
-LaunchServer = Callable[..., ApiServer]
 PATCH_LINE = re.compile(r"vllm-prefix-guard \S+: patched ")
-
-
-@dataclass(frozen=True)
-class Servers:
-    guarded: ApiServer
-    reference: ApiServer
-    stats_file: Path
-
-
-@pytest.fixture(scope="module")
-def servers(launch_server: LaunchServer, tmp_path_factory: pytest.TempPathFactory) -> Servers:
-    """A guarded server (prefix caching, small KV cache) and a reference server (no prefix
-    caching, guard unset), started side by side."""
-    stats_file = tmp_path_factory.mktemp("guard-stats") / "stats.json"
-    guarded = launch_server(
-        "guarded",
-        guard="1",
-        stats_file=stats_file,
-        prefix_caching=True,
-        num_gpu_blocks=GUARDED_NUM_GPU_BLOCKS,
-    )
-    reference = launch_server(
-        "reference", guard=None, prefix_caching=False, num_gpu_blocks=REFERENCE_NUM_GPU_BLOCKS
-    )
-    guarded.wait_healthy(STARTUP_TIMEOUT_S)
-    reference.wait_healthy(STARTUP_TIMEOUT_S)
-    return Servers(guarded, reference, stats_file)
 
 
 def test_guard_patches_the_engine_core_process(servers: Servers) -> None:

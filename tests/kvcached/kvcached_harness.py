@@ -69,7 +69,7 @@ def skip_reason() -> str | None:
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """This environment, the repository's ``src`` and this directory first on the path,
+    """This environment, the repository's ``src``, this directory and ``tests/`` first on the path,
     kvcached's switches cleared (each scenario sets its own), quiet logs."""
     env = dict(os.environ)
     for name in ("ENABLE_KVCACHED", "KVCACHED_AUTOPATCH", "VLLM_PREFIX_GUARD", "VLLM_PLUGINS"):
@@ -77,6 +77,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     path = [
         str(ROOT / "src"),
         str(HERE),
+        str(HERE.parent),  # tests/: the layouts the regression tests share
         *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
     ]
     env["PYTHONPATH"] = os.pathsep.join(path)

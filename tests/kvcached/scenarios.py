@@ -21,15 +21,18 @@ Orders:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kvcached_cpu
+
+import layouts
 
 # -- what a run reports ---------------------------------------------------------------
 
@@ -95,13 +98,16 @@ class Audit:
         }
 
 
-def make_scheduler(**kwargs: Any) -> Any:
-    """The factory's scheduler, audited when guarded."""
+@contextlib.contextmanager
+def audited() -> Iterator[None]:
+    """Every scheduler the factory builds meanwhile is audited (:class:`Audit`)."""
     from vllm_prefix_guard.diagnostics import factory
 
-    scheduler = factory.make_scheduler(**kwargs)
-    Audit(scheduler)
-    return scheduler
+    factory.ON_BUILT.append(Audit)
+    try:
+        yield
+    finally:
+        factory.ON_BUILT.remove(Audit)
 
 
 def pool_info(scheduler: Any) -> dict[str, Any]:
@@ -150,114 +156,24 @@ def verdict(driver: Any) -> dict[str, Any]:
 
 
 # -- the runs: the same on kvcached alone and guarded ---------------------------------
+# The layouts of the regression tests on vLLM's pool (tests/layouts.py), here on kvcached's.
 
 
 def zombie(async_scheduling: bool) -> Any:
     """The shared notes' priority-preemption layout (``diagnostics.selftest``)."""
     from vllm_prefix_guard.diagnostics import selftest
 
-    original = selftest.make_scheduler
-    selftest.make_scheduler = make_scheduler  # audited, otherwise the factory's
-    try:
-        return selftest.zombie_layout(async_scheduling=async_scheduling)
-    finally:
-        selftest.make_scheduler = original
-
-
-PROMPT = list(range(1, 65))  # 4 blocks; the fake connector holds the first 3
-
-
-def kv_load_sync(policy: str, abort_before_update: bool) -> Any:
-    """``tests/test_kv_load_failure.py::run_failed_load`` on ``Scheduler``."""
-    from vllm_prefix_guard.diagnostics.factory import make_request
-    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-
-    scheduler = make_scheduler(
-        num_blocks=40, kv_load_failure_policy=policy, long_prefill_token_threshold=16
-    )
-    scheduler.connector.external_tokens["r"] = 48
-    scheduler.connector.fail_loads.add("r")
-    driver = Driver(scheduler)
-    driver.add(make_request("r", PROMPT, max_tokens=4))
-    driver.schedule()
-    if abort_before_update:
-        driver.abort("r")
-    driver.complete()
-    driver.add(make_request("s", PROMPT, max_tokens=4))
-    driver.run()
-    return driver
-
-
-def kv_load_async() -> Any:
-    """``AsyncScheduler``, two steps in flight: the step after the failing one computed
-    (and registered) more of the prompt on top of the invalid KV."""
-    from vllm_prefix_guard.diagnostics.factory import make_request
-    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-
-    scheduler = make_scheduler(
-        num_blocks=40,
-        kv_load_failure_policy="recompute",
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        long_prefill_token_threshold=16,
-        async_scheduling=True,
-    )
-    scheduler.connector.external_tokens["r"] = 48
-    scheduler.connector.fail_loads.add("r")
-    driver = Driver(scheduler, depth=2)
-    prompt = list(range(1, 97))
-    driver.add(make_request("r", prompt, max_tokens=4))
-    driver.schedule()
-    driver.schedule()
-    driver.complete()
-    driver.add(make_request("s", prompt, max_tokens=4))
-    driver.run()
-    return driver
-
-
-def fcfs_sync() -> Any:
-    """``tests/test_preemption.py``: FCFS preempts, never an already-scheduled victim."""
-    from vllm_prefix_guard.diagnostics.factory import make_request
-    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-
-    scheduler = make_scheduler(
-        num_blocks=24, max_num_batched_tokens=128, long_prefill_token_threshold=48
-    )
-    driver = Driver(scheduler)
-    prefix = list(range(1, 97))
-    for i in range(8):
-        driver.add(make_request(f"r{i}", prefix + [500 + i] * (16 + 8 * i), max_tokens=12))
-    driver.run()
-    return driver
-
-
-def fcfs_async() -> Any:
-    """``AsyncScheduler``, two steps in flight, victims with a step still executing."""
-    from vllm_prefix_guard.diagnostics.factory import make_request
-    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-
-    scheduler = make_scheduler(
-        num_blocks=28,
-        max_num_batched_tokens=96,
-        long_prefill_token_threshold=32,
-        async_scheduling=True,
-    )
-    driver = Driver(scheduler, depth=2)
-    prefix = list(range(1, 65))
-    for i in range(10):
-        driver.add(make_request(f"r{i}", prefix + [700 + i] * (8 + 8 * i), max_tokens=24))
-    driver.run()
-    return driver
+    return selftest.zombie_layout(async_scheduling=async_scheduling)
 
 
 RUNS: dict[str, Callable[[], Any]] = {
     "zombie_sync": lambda: zombie(False),
     "zombie_async": lambda: zombie(True),
-    "kv_load_sync_recompute": lambda: kv_load_sync("recompute", False),
-    "kv_load_sync_fail_aborted": lambda: kv_load_sync("fail", True),
-    "kv_load_async": kv_load_async,
-    "fcfs_sync": fcfs_sync,
-    "fcfs_async": fcfs_async,
+    "kv_load_sync_recompute": lambda: layouts.failed_sync_load("recompute", False),
+    "kv_load_sync_fail_aborted": lambda: layouts.failed_sync_load("fail", True),
+    "kv_load_async": lambda: layouts.failed_load_two_in_flight()[0],
+    "fcfs_sync": layouts.fcfs_preemption,
+    "fcfs_async": layouts.fcfs_preemption_two_in_flight,
 }
 
 
@@ -266,7 +182,8 @@ def run_all() -> dict[str, Any]:
     for name, run in RUNS.items():
         started = time.perf_counter()
         try:
-            out[name] = verdict(run())
+            with audited():
+                out[name] = verdict(run())
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}", "where": _where()}
         out[name]["seconds"] = round(time.perf_counter() - started, 2)
@@ -278,9 +195,10 @@ def run_all() -> dict[str, Any]:
 
 
 def _guarded_pool() -> tuple[Any, Any, Any, Any]:
+    from vllm_prefix_guard.diagnostics import factory
     from vllm_prefix_guard.hooks import guard_of
 
-    scheduler = make_scheduler(num_blocks=16)
+    scheduler = factory.make_scheduler(num_blocks=16)
     guard = guard_of(scheduler)
     assert guard is not None
     return scheduler, guard, guard.pool, kvcached_cpu.ALLOCATORS[-1]
@@ -309,7 +227,7 @@ def duplicates() -> dict[str, Any]:
     of a dropped step: evicted through kvcached's ``evict_blocks``)."""
     from vllm.v1.core.kv_cache_utils import get_block_hash
 
-    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
     from vllm_prefix_guard.diagnostics.shadow_kv import Driver
     from vllm_prefix_guard.hooks import guard_of
 

@@ -52,13 +52,12 @@ sys.path.insert(0, str(HERE))
 
 from hub_cache import write_hub_cache  # noqa: E402
 
+from vllm_prefix_guard.versions import TEST_ENV  # noqa: E402
+
 FAILED = ("failed", "error")
 ENV = {
-    "HF_HUB_OFFLINE": "1",
+    **TEST_ENV,
     "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONHASHSEED": "0",
     "VLLM_LOGGING_LEVEL": "WARNING",
     # vLLM's own CPU CI runs these tests on its accelerator wheel this way: the CPU
     # platform, explicitly (the 0.33 CUDA wheel cannot infer a device on a GPU-less host).

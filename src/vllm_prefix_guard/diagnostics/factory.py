@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -30,6 +31,10 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
     "torch_dtype": "float16",
 }
 FAKE_CONNECTOR_NAME = "PrefixGuardFakeLoadConnector"
+#: Called with every scheduler :func:`make_scheduler` builds, before it is returned: a
+#: harness that observes each one (the kvcached runs' index audit) hooks in here rather
+#: than wrapping the builder.
+ON_BUILT: list[Callable[[Any], object]] = []
 
 
 @dataclass(frozen=True)
@@ -199,13 +204,16 @@ def make_scheduler(spec: SchedulerSpec | None = None, **overrides: Any) -> Any:
     if spec.sliding_window:
         # Scheduling granularity: the LCM of the groups' block sizes; hashing: the GCD.
         extra = {"block_size": 2 * spec.block_size, "hash_block_size": spec.block_size}
-    return cls(
+    scheduler = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config(spec),
         structured_output_manager=StructuredOutputManager(vllm_config),
         **{"block_size": spec.block_size, **extra},
         log_stats=True,
     )
+    for observe in ON_BUILT:
+        observe(scheduler)
+    return scheduler
 
 
 _hash_ready = False
