@@ -41,14 +41,14 @@ def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
     return scheduler, key, list(siblings.values()), driver.worker.models["x"].tokens[:32]
 
 
-def guarded_pool() -> tuple[Any, UncommittedPrefixCache]:
+def guarded_pool(kv_events: bool = False) -> tuple[Any, UncommittedPrefixCache]:
     """vLLM's real pool of a fresh scheduler, grafted, with the rules driven by hand.
 
     The plugin is applied for what the rules call on vLLM's ``KVCacheManager``
     (``rewind_num_cached_blocks``); no scheduler hook runs: nothing is scheduled.
     """
     plugin.apply()
-    manager = make_scheduler(num_blocks=16).kv_cache_manager
+    manager = make_scheduler(num_blocks=16, kv_events=kv_events).kv_cache_manager
     pool = graft(manager.block_pool)
     assert pool is manager.block_pool
     return pool, UncommittedPrefixCache(manager)
@@ -95,8 +95,7 @@ def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
 def test_rollback_removes_exactly_one_pair_and_no_key_another_block_caches() -> None:
     """Three blocks under one key; rolling back the uncommitted one leaves two, and the
     key stays announced (no ``BlockRemoved``) until the last of them goes."""
-    pool, rules = guarded_pool()
-    pool.enable_kv_cache_events = True
+    pool, rules = guarded_pool(kv_events=True)
     request = make_request("r", list(range(1, 17)))
     committed = pool.get_new_blocks(2)
     for block in committed:

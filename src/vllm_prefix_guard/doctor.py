@@ -1,11 +1,14 @@
 """``vllm-prefix-guard doctor``: will the guard be on, and can it apply to the installed vLLM?
 
 Each check is a :class:`Check` (``ok``, ``FAIL``, ``skip`` or ``info``). The checks run the
-same code the plugin runs at start-up (the entry point, the settings, every internal in
-:data:`vllm_prefix_guard.targets.INTERNALS`), so a pass here means a server started from
-this shell gets past the guard's start-up checks. ``--self-test`` then runs the known
-failure on stock and guarded schedulers of this very vLLM build (diagnostics, imported
-only then).
+same code the plugin runs at start-up: the entry point, ``VLLM_PREFIX_GUARD``, the other
+settings (:func:`vllm_prefix_guard.plugin.setting_checks`: the stats file's directory, the
+run directory the guard shares between a server's processes), vLLM's own fix, every internal
+in :data:`vllm_prefix_guard.targets.INTERNALS`, and the pool kvcached swaps in. Wherever a
+server started from this shell would refuse to start, a check fails (and ``doctor`` exits
+1); a setting only the enabled guard reads is reported, not failed, while the guard is off.
+``--self-test`` then runs the known failure on stock and guarded schedulers of this very
+vLLM build (diagnostics, imported only then).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from importlib.metadata import entry_points
 
-from vllm_prefix_guard import __version__, kvcached_support, plugin, targets
+from vllm_prefix_guard import __version__, kvcached_support, plugin, stats, targets
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.versions import TESTED_VLLM_VERSIONS, tested_range
 
@@ -62,7 +65,9 @@ def run_checks(self_test: bool) -> list[Check]:
             entry[0].value if entry else f"no {ENTRY_POINT_NAME} in {ENTRY_POINT_GROUP}",
         )
     )
-    checks += _activation_checks()
+    activation, guard_on = _activation_checks()
+    checks += activation
+    checks += _setting_checks(guard_on)
     native = targets.native_fix()
     if native.complete:
         upstream = Check("upstream fix", INFO, f"{native.describe()}: the guard stays out")
@@ -75,14 +80,26 @@ def run_checks(self_test: bool) -> list[Check]:
     else:
         upstream = Check("upstream fix", INFO, "none in this vLLM: the guard patches it")
     checks.append(upstream)
-    checks.append(Check("kvcached", INFO, kvcached_support.status().describe()))
+    kvcached = kvcached_support.status()
+    refused = kvcached.variant == "legacy" and kvcached.enabled and not kvcached.refuses_vllm
+    checks.append(
+        Check(
+            "kvcached",
+            _refusal(guard_on) if refused else INFO,
+            ("" if guard_on or not refused else _WHEN_ON) + kvcached.describe(),
+        )
+    )
+    internals_ok = True
     for what, run in targets.all_checks():
         try:
             run()
         except Exception as exc:
+            internals_ok = False
             checks.append(Check(f"internal {what}", FAIL, str(exc)))
         else:
             checks.append(Check(f"internal {what}", OK, "present"))
+    if internals_ok and kvcached.pool_class is not None and not refused:
+        checks.append(_kvcached_pool_check(kvcached.pool_class, guard_on))
     if self_test:
         failed = sum(c.failed for c in checks)
         if failed:
@@ -92,8 +109,9 @@ def run_checks(self_test: bool) -> list[Check]:
     return checks
 
 
-def _activation_checks() -> list[Check]:
-    """``VLLM_PLUGINS`` and ``VLLM_PREFIX_GUARD``, and what they add up to."""
+def _activation_checks() -> tuple[list[Check], bool]:
+    """``VLLM_PLUGINS`` and ``VLLM_PREFIX_GUARD``, and what they add up to: the checks, and
+    whether the guard is on for a server started from this shell."""
     allowed = os.environ.get("VLLM_PLUGINS")
     loaded = allowed is None or ENTRY_POINT_NAME in allowed.split(",")
     checks = [
@@ -112,7 +130,7 @@ def _activation_checks() -> list[Check]:
     except GuardConfigError as exc:
         checks.append(Check(plugin.ENV_VAR, FAIL, str(exc)))
         checks.append(Check("guard", FAIL, "a server started from this shell fails to start"))
-        return checks
+        return checks, False
     checks.append(Check(plugin.ENV_VAR, OK, "unset" if raw is None else repr(raw)))
     if enabled and loaded:
         verdict = "ON for a vLLM server started from this shell"
@@ -121,7 +139,52 @@ def _activation_checks() -> list[Check]:
     else:
         verdict = "OFF for a vLLM server started from this shell (VLLM_PLUGINS excludes it)"
     checks.append(Check("guard", INFO, verdict))
+    return checks, enabled and loaded
+
+
+_WHEN_ON = f"with {plugin.ENV_VAR}=1 a server would refuse to start: "
+
+
+def _refusal(guard_on: bool) -> str:
+    """A problem the enabled guard refuses to start on: a failure while the guard is on,
+    something to know while it is off."""
+    return FAIL if guard_on else INFO
+
+
+def _setting_checks(guard_on: bool) -> list[Check]:
+    """The settings the guard checks at start-up once it is on (``plugin.setting_checks``)."""
+    checks = []
+    for setting, run in plugin.setting_checks():
+        try:
+            found = run()
+        except GuardConfigError as exc:
+            checks.append(
+                Check(setting, _refusal(guard_on), ("" if guard_on else _WHEN_ON) + str(exc))
+            )
+            continue
+        if setting == stats.STATS_FILE_ENV:
+            detail = "unset" if found is None else f"{found!r}: its directory is writable"
+        elif os.environ.get(setting):
+            detail = f"{found!r}: inherited, writable"
+        else:
+            detail = f"unset: the guard makes one in {found!r} (writable) at start-up"
+        checks.append(Check(setting, OK, detail))
     return checks
+
+
+def _kvcached_pool_check(pool_class: type, guard_on: bool) -> Check:
+    """What the guard checks when it grafts onto the pool kvcached swaps in."""
+    from vllm_prefix_guard import pool
+
+    name = f"kvcached pool {pool_class.__module__}.{pool_class.__qualname__}"
+    missing = pool.missing_pool_internals(pool_class)
+    try:
+        if missing:
+            raise targets.unsupported(name, f"has no {', '.join(missing)}")
+        pool.next_implementations(pool_class)
+    except Exception as exc:
+        return Check(name, _refusal(guard_on), ("" if guard_on else _WHEN_ON) + str(exc))
+    return Check(name, OK, "the guard can graft onto it")
 
 
 def _self_test() -> Check:

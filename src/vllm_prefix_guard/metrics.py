@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.patching import PatchRegistry
 
@@ -83,6 +84,36 @@ LABELS = ("model_name", "engine")
 
 def run_dir() -> str | None:
     return os.environ.get(RUN_DIR_ENV) or None
+
+
+def check_run_dir_setting() -> str:
+    """Where this process finds its server's run directory (inherited in
+    :data:`RUN_DIR_ENV`) or will make it (the temporary directory); the server's processes
+    must be able to write there.
+
+    Raises:
+        GuardConfigError: the inherited directory is gone or not writable, or there is no
+            writable temporary directory to make one in (checked at start-up, so the guard's
+            counters never silently miss ``/metrics``).
+    """
+    existing = run_dir()
+    if existing is not None:
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+            raise GuardConfigError(
+                f"{RUN_DIR_ENV}={existing!r} is not a writable directory. The guard sets it "
+                "for the processes of one server; unset it."
+            )
+        return existing
+    try:
+        parent = tempfile.gettempdir()
+    except FileNotFoundError as exc:  # no usable temporary directory at all
+        raise GuardConfigError(f"the guard's run directory cannot be made: {exc}") from exc
+    if not os.access(parent, os.W_OK):
+        raise GuardConfigError(
+            f"the guard makes its run directory in {parent!r} (the temporary directory; "
+            "TMPDIR), which is not writable."
+        )
+    return parent
 
 
 def ensure_run_dir() -> str:

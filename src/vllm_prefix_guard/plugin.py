@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from vllm_prefix_guard import __version__
@@ -48,19 +49,32 @@ def enabled_by_env(environ: Any = None) -> bool:
     )
 
 
+def setting_checks() -> list[tuple[str, Callable[[], object]]]:
+    """The checks of the guard's other settings, as ``(setting, run)``: :func:`register`
+    runs them before anything else once the guard is on, and ``doctor`` reports them; each
+    returns what it found or raises :class:`GuardConfigError`."""
+    from vllm_prefix_guard import metrics, stats
+
+    return [
+        (stats.STATS_FILE_ENV, stats.check_stats_file_setting),
+        (metrics.RUN_DIR_ENV, metrics.check_run_dir_setting),
+    ]
+
+
 def register() -> None:
     """Entry point for ``vllm.general_plugins``; idempotent and re-entrant.
 
     Raises:
         GuardConfigError: a guard setting is not understood (``VLLM_PREFIX_GUARD``) or
-            points nowhere (``VLLM_PREFIX_GUARD_STATS_FILE``).
+            points nowhere (``VLLM_PREFIX_GUARD_STATS_FILE``, the run directory).
         GuardUnsupportedError: the guard is on and this vLLM lacks an internal it needs.
     """
     if not enabled_by_env():
         return
-    from vllm_prefix_guard import metrics, stats
+    from vllm_prefix_guard import metrics
 
-    stats.check_stats_file_setting()
+    for _, check in setting_checks():
+        check()
     metrics.ensure_run_dir()
     apply()
 

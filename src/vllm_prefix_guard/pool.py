@@ -201,7 +201,7 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         return removed
 
 
-_GUARDED_CLASSES: dict[type, type] = {}
+_GUARDED_CLASSES: dict[tuple[type, bool], type] = {}
 
 
 def missing_pool_internals(pool: Any) -> list[str]:
@@ -279,15 +279,16 @@ def graft(pool: Any, fresh: bool = False) -> Any:
             f"has no {', '.join(missing)}",
             kvcached_support.refusal_hint(base),
         )
-    guarded = _GUARDED_CLASSES.get(base)
+    # With KV events off nothing is emitted: the pool keeps its own emitter, and eviction
+    # (several calls a step) pays no override.
+    events = bool(getattr(pool, "enable_kv_cache_events", False))
+    guarded = _GUARDED_CLASSES.get((base, events))
     if guarded is None:
-        forwarded = next_implementations(base)
-        guarded = type(
-            f"PrefixGuarded{base.__name__}",
-            (PrefixGuardPool, base),
-            {"__module__": __name__, **forwarded},
-        )
-        _GUARDED_CLASSES[base] = guarded
+        namespace: dict[str, Any] = {"__module__": __name__, **next_implementations(base)}
+        if not events:
+            namespace["_emit_block_removed_events"] = base._emit_block_removed_events
+        guarded = type(f"PrefixGuarded{base.__name__}", (PrefixGuardPool, base), namespace)
+        _GUARDED_CLASSES[(base, events)] = guarded
     blocks = getattr(pool, "blocks", None)
     if fresh and blocks is not None:
         moved: Any = object.__new__(guarded)

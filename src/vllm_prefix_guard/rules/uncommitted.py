@@ -74,9 +74,8 @@ class UncommittedPrefixCache:
     def num_uncommitted_entries(self) -> int:
         """Entries of the steps in flight (O(requests in their records))."""
         return sum(
-            len(req_entries)
+            sum(map(len, list(entries.values())))
             for _, entries in list(self._in_flight.values())
-            for req_entries in list(entries.values())
         )
 
     def steps_in_flight(self) -> list[tuple[SchedulerOutput, StepCacheEntries]]:
