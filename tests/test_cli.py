@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from native_fix import simulate_native_fix
 from vllm_prefix_guard import __version__, plugin
 from vllm_prefix_guard.cli import main
+from vllm_prefix_guard.errors import GuardConfigError
+from vllm_prefix_guard.metrics import RUN_DIR_ENV
+from vllm_prefix_guard.stats import STATS_FILE_ENV
 
 
 def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, dict]]:
@@ -78,3 +83,74 @@ def test_doctor_reports_which_upstream_fix_it_found(
     status, checks = doctor_json(capsys)
     assert checks["upstream fix"]["status"] == "info"
     assert checks["upstream fix"]["detail"].endswith("the guard stays out")
+
+
+#: Settings a guarded server refuses to start with: (variable, path under a scratch
+#: directory, what the error says).
+UNUSABLE = {
+    "stats-file-in-a-missing-directory": (
+        STATS_FILE_ENV,
+        "missing/guard-{engine}.json",
+        "does not exist",
+    ),
+    "inherited-run-directory-gone": (RUN_DIR_ENV, "gone", "not a writable"),
+}
+
+
+@pytest.mark.parametrize(("variable", "path", "named"), UNUSABLE.values(), ids=UNUSABLE.keys())
+def test_doctor_fails_where_the_server_refuses_to_start(
+    variable: str,
+    path: str,
+    named: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """What the server's start-up (``register()``) refuses, doctor fails, with the server's
+    own message; with the guard off the server starts, and doctor says what would happen."""
+    monkeypatch.setenv(variable, str(tmp_path / path))
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    with pytest.raises(GuardConfigError) as refused:
+        plugin.register()
+    assert named in str(refused.value)
+    status, checks = doctor_json(capsys)
+    assert status == 1
+    assert checks[variable] == {
+        "name": variable,
+        "status": "FAIL",
+        "detail": str(refused.value),
+        "ok": False,
+    }
+    monkeypatch.delenv(plugin.ENV_VAR)
+    status, checks = doctor_json(capsys)
+    assert status == 0
+    assert checks[variable]["status"] == "info"
+    assert checks[variable]["detail"].startswith(
+        "with VLLM_PREFIX_GUARD=1 a server would refuse to start: "
+    )
+    assert checks[variable]["detail"].endswith(str(refused.value))
+
+
+def test_doctor_fails_without_a_writable_temporary_directory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The run directory is made in the temporary directory: none usable, no server."""
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-tmp"))
+    status, checks = doctor_json(capsys)
+    assert status == 1
+    assert checks[RUN_DIR_ENV]["status"] == "FAIL"
+    assert "TMPDIR" in checks[RUN_DIR_ENV]["detail"]
+
+
+def test_doctor_passes_usable_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setenv(STATS_FILE_ENV, str(tmp_path / "guard-{engine}.json"))
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    status, checks = doctor_json(capsys)
+    assert status == 0
+    assert checks[STATS_FILE_ENV]["detail"].endswith("its directory is writable")
+    assert checks[RUN_DIR_ENV]["detail"].endswith("inherited, writable")
