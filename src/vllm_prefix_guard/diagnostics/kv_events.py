@@ -37,6 +37,8 @@ class KVEventReplay:
         self.missing = 0
         self.extra = 0
         self.inconsistent_steps = 0
+        # Pool key -> (hash, group) as events name it.
+        self._named: dict[Any, tuple[Any, int | None]] = {}
         self._get_block_hash = get_block_hash
         self._get_group_id = get_group_id
         self._convert = maybe_convert_block_hash
@@ -67,12 +69,13 @@ class KVEventReplay:
                 keys.clear()
 
     def cached_keys(self) -> set[tuple[Any, int | None]]:
-        """The pool's keys, as events name them."""
+        """The pool's keys, as events name them (each key converted once: the check
+        runs after every step)."""
         index = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
-        return {
-            (self._convert(self._get_block_hash(key)), self._get_group_id(key))
-            for key in index._cache
-        }
+        named = self._named
+        for key in index._cache.keys() - named.keys():
+            named[key] = (self._convert(self._get_block_hash(key)), self._get_group_id(key))
+        return {named[key] for key in index._cache}
 
     def check(self) -> int:
         """Compare the consumer (with the events still queued) with the pool now; add
