@@ -1,21 +1,28 @@
-"""End-to-end demo: a real OpenAI-compatible vLLM server with the guard, under preemption pressure.
+"""The main job: what the guard is for, then a real OpenAI-compatible vLLM server with it.
 
 ``python -m guard_demo`` does, on loopback only:
 
 1. generates the tiny Llama checkpoint (:mod:`guard_demo.tiny_model`);
-2. starts two ``vllm.entrypoints.openai.api_server`` processes side by side
+2. proves the bug and the fix on that model (:mod:`guard_demo.engine_proof`, in a process of
+   its own, printed as soon as it is done): three in-process engines run a request that is
+   preempted in the step that scheduled it and a later request with its prompt; stock prefix
+   caching diverges from the engine without prefix caching (the first diverging token and
+   its logprob gap are reported), the guarded engine matches it within float noise;
+3. starts two ``vllm.entrypoints.openai.api_server`` processes side by side
    (:mod:`guard_demo.server`): the *guarded* server (``VLLM_PREFIX_GUARD=1``,
    automatic prefix caching, priority scheduling, a KV cache of a few dozen blocks per engine
    so that preemption is routine; ``--data-parallel-size N`` gives it N EngineCores) and a
    *reference* server (no prefix caching, a KV cache large enough never to preempt);
-3. drives a timed ``/v1/completions`` workload at the guarded server
+4. drives a timed ``/v1/completions`` workload at the guarded server
    (:func:`~guard_demo.workload.make_workload`): waves of a long low-priority prompt
    followed by high-priority ones, shared prefixes, repeated prompts, client disconnects (which
    vLLM turns into aborts), greedy decoding with top-5 logprobs;
-4. replays every request that completed on the reference server and compares token ids and
+5. replays every request that completed on the reference server and compares token ids and
    logprobs (:mod:`guard_demo.reference_check`);
-5. prints requests, prefix-cache hit rate and preemptions, the guard's counters per engine
-   (all from ``/metrics``), guard rollbacks and mismatches, and exits non-zero on any mismatch.
+6. prints the proof, then requests, prefix-cache hit rate and preemptions, the guard's
+   counters per engine (all from ``/metrics``), guard rollbacks and mismatches, and exits
+   non-zero unless stock diverged and the guard matched in the proof and no completion of
+   the server differs.
 
 Both servers are stopped the way vLLM expects (SIGTERM, then vLLM's own shutdown) on every exit
 path (normal return, exception, Ctrl-C, SIGTERM), so no EngineCore or worker process outlives
@@ -29,7 +36,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +50,7 @@ from types import FrameType
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL
+from guard_demo.engine_proof import EngineProof
 from guard_demo.metrics import (
     MetricsSnapshot,
     MetricsTracer,
@@ -87,10 +97,16 @@ class DemoReport:
     log_dir: Path | None = None
     model_dir: Path | None = None
     data_parallel_size: int = 1
+    #: The engine-level proof (None: not run, or it failed: :attr:`engine_proof_error`).
+    engine_proof: EngineProof | None = None
+    engine_proof_error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches and not self.failed
+        proof_ok = self.engine_proof_error is None and (
+            self.engine_proof is None or self.engine_proof.ok
+        )
+        return proof_ok and not self.mismatches and not self.failed
 
     @property
     def hit_rate(self) -> float:
@@ -119,9 +135,20 @@ class DemoReport:
     def render(self) -> str:
         rollbacks = "n/a" if self.guard_rollbacks is None else str(self.guard_rollbacks)
         engines = f", {self.data_parallel_size} engines" if self.data_parallel_size > 1 else ""
-        lines = [
-            f"vllm-prefix-guard demo (vLLM {self.vllm_version}, "
-            f"guard {'on' if self.guard else 'off'}{engines}, {self.elapsed_s:.0f}s)",
+        lines = [f"vllm-prefix-guard demo (vLLM {self.vllm_version}, {self.elapsed_s:.0f}s)"]
+        if self.engine_proof is not None or self.engine_proof_error is not None:
+            lines.append(
+                "1. the bug and the fix on one engine (in-process LLMEngine, the same tiny model)"
+            )
+            if self.engine_proof is not None:
+                lines += self.engine_proof.render()
+            else:
+                lines.append(f"  verdict           FAILED to run: {self.engine_proof_error}")
+            lines.append(
+                "2. the server under load, every completion replayed without prefix caching"
+            )
+        lines += [
+            f"  server            guard {'on' if self.guard else 'off (stock vLLM)'}{engines}",
             f"  requests          {self.requests} sent, {self.completed} completed, "
             f"{self.cancelled} cancelled, {self.failed} failed",
             f"  prefix-cache hits {self.hit_rate:.1%} "
@@ -189,6 +216,41 @@ class DemoOptions:
     log_dir: Path | None = None
     data_parallel_size: int = 1
     metrics_trace: Path | None = None
+    engine_proof: bool = True
+
+
+#: Seconds the engine-level proof may take (three small engines; about a minute alone on two
+#: idle cores).
+ENGINE_PROOF_TIMEOUT_S = 900.0
+
+
+def run_engine_proof(model_dir: Path, log_dir: Path) -> tuple[EngineProof | None, str | None]:
+    """``python -m guard_demo.engine_proof`` in its own process (it loads vLLM and applies
+    the guard in-process), its output in ``engine-proof.log``, its result in
+    ``engine-proof.json``: the proof, or why there is none."""
+    env = dict(os.environ)
+    env.pop("VLLM_PREFIX_GUARD", None)
+    examples = str(Path(__file__).resolve().parents[1])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([examples, *(p for p in paths if p != examples)])
+    result, log_path = log_dir / "engine-proof.json", log_dir / "engine-proof.log"
+    command = [sys.executable, "-m", "guard_demo.engine_proof", "--model-dir", str(model_dir)]
+    command += ["--json", str(result)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            returncode = proc.wait(timeout=ENGINE_PROOF_TIMEOUT_S)
+        except BaseException:  # the timeout, Ctrl-C, SIGTERM: no engine outlives the demo
+            proc.kill()
+            proc.wait()
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
+            return None, f"no result after {ENGINE_PROOF_TIMEOUT_S:.0f}s (log: {log_path})"
+    if returncode not in (0, 1) or not result.exists():
+        return None, f"exit status {returncode} (log: {log_path})"
+    return EngineProof.from_json(json.loads(result.read_text())), None
 
 
 def run_demo(options: DemoOptions) -> DemoReport:
@@ -217,6 +279,26 @@ def run_demo(options: DemoOptions) -> DemoReport:
         num_gpu_blocks=REFERENCE_NUM_GPU_BLOCKS,
     )
     print(f"model: {model_dir}\nserver logs: {log_dir}", flush=True)
+    proof: tuple[EngineProof | None, str | None] = (None, None)
+    if options.engine_proof:
+        # First, and alone: on a small machine the three engines and two servers starting
+        # at once only take turns on the same cores.
+        print("engine-level proof (three in-process engines) ...", flush=True)
+        proof = run_engine_proof(model_dir, log_dir)
+        verdict = proof[0].render()[-1].split(maxsplit=1)[1] if proof[0] else proof[1]
+        print(f"engine-level proof: {verdict}", flush=True)
+    report = _serve_and_check(options, guarded, reference, stats_file)
+    report.engine_proof, report.engine_proof_error = proof
+    report.elapsed_s = time.monotonic() - started
+    report.log_dir, report.model_dir = log_dir, model_dir
+    return report
+
+
+def _serve_and_check(
+    options: DemoOptions, guarded: ApiServer, reference: ApiServer, stats_file: Path
+) -> DemoReport:
+    """Start both servers, run the workload and its replay, stop both; the report's server
+    part."""
     with guarded, reference:
         # Both start at once: startup is mostly imports, which overlap well.
         guarded.wait_healthy(options.startup_timeout_s)
@@ -265,7 +347,6 @@ def run_demo(options: DemoOptions) -> DemoReport:
         metrics=check.metrics,
         guard_rollbacks=read_guard_rollbacks(stats_file, guarded.log_text()),
         mismatches=check.mismatches,
-        elapsed_s=time.monotonic() - started,
         guard_by_engine=guard_by_engine,
         shutdown={
             server.log_path.name: shutdown_problems(server.log_text())
@@ -277,8 +358,6 @@ def run_demo(options: DemoOptions) -> DemoReport:
             for server in (guarded, reference)
             if known_vllm_shutdown_race(server.log_text())
         ],
-        log_dir=log_dir,
-        model_dir=model_dir,
         data_parallel_size=options.data_parallel_size,
     )
 
@@ -349,6 +428,13 @@ def _parse_args(argv: Sequence[str] | None) -> DemoOptions:
         default=None,
         metavar="FILE.json",
         help="save the guarded server's /metrics, sampled every second during the workload",
+    )
+    parser.add_argument(
+        "--no-engine-proof",
+        dest="engine_proof",
+        action="store_false",
+        help="skip the engine-level proof that opens the report (stock diverging, the guard "
+        "matching) and run the server part only",
     )
     parser.add_argument(
         "--model-dir",

@@ -21,8 +21,9 @@ PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
 
 
 def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
-    """The demo reports every figure, finds no mismatch, stops its servers cleanly, says where
-    its logs and model are, and leaves no server process behind."""
+    """The demo opens with the engine-level proof (stock diverging, the guard matching), then
+    reports every figure of the server, finds no mismatch, stops its servers cleanly, says
+    where its logs and model are, and leaves no server process behind."""
     result = subprocess.run(
         [
             sys.executable,
@@ -42,6 +43,15 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
     )
     report = result.stdout
     assert result.returncode == 0, report + result.stderr[-3000:]
+    # It opens with the engine-level proof, both ways.
+    lines = report[report.index("vllm-prefix-guard demo (") :].splitlines()
+    assert lines[1].startswith("1. the bug and the fix on one engine"), report
+    assert re.search(r"stock vLLM\s+C hits 288 tokens, block 9 that A never wrote", report)
+    assert re.search(r"\n\s+C: from output token \d+ .*logprob off by \d+\.\d\d\n", report)
+    assert re.search(r"with the guard\s+C hits 256 tokens .*all 4 completions within", report)
+    assert "verdict           OK: stock read never-written KV, the guard did not" in report
+    assert re.search(r"\n2\. the server under load", report), report
+    assert (tmp_path / "engine-proof.json").exists()
     assert re.search(r"requests\s+24 sent", report), report
     assert re.search(r"prefix-cache hits\s+\d+\.\d%", report), report
     assert re.search(r"preemptions\s+\d+", report), report

@@ -4,8 +4,9 @@ kvcached 0.1.6 on vLLM 0.29-0.30 requires Model Runner V2, which needs Triton: v
 never selects it, so kvcached refuses a CPU engine (``tests/kvcached`` proves the guard
 on kvcached's pool at scheduler level, on CPU). On a GPU with vLLM 0.30 and kvcached
 installed (built from its sdist, ``kvcached_autopatch.pth`` in site-packages), this runs
-``test_engine_zombie.py``'s layout on three engines, each in its own process
-(``kvcached_engine.py``), all with ``ENABLE_KVCACHED=1``:
+``guard_demo.engine_proof``'s layout (``test_engine_zombie.py``) on three engines, each in
+its own process (``python -m guard_demo.engine_proof --mode MODE``), all with
+``ENABLE_KVCACHED=1``:
 
 * ``reference``: prefix caching off, the completions every engine must produce;
 * ``stock``: kvcached alone. C hits A's never-written block 9, C and A diverge;
@@ -25,12 +26,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from test_engine_zombie import ATOL, EXTRA_ENGINE_ARGS, LAYOUT
+from test_engine_zombie import ATOL, EXTRA_ENGINE_ARGS
 
-from guard_demo.compare import Completion, find_mismatches
+from guard_demo.compare import find_mismatches
+from guard_demo.engine_proof import LAYOUT, MODES, ScenarioRun
 
 ENV = "VLLM_PREFIX_GUARD_E2E_KVCACHED"
 MODE = os.environ.get(ENV, "")
@@ -48,58 +49,49 @@ pytestmark = [
 ]
 
 
-def run_engine(mode: str, model: Path, out: Path) -> dict[str, Any]:
+def run_engine(mode: str, model: Path, out: Path) -> ScenarioRun:
+    """One engine in a fresh interpreter that starts as any other on the machine (kvcached's
+    ``.pth`` patches vLLM on import); the guard, in ``guarded`` mode, loaded by vLLM's plugin
+    loader from ``VLLM_PREFIX_GUARD=1``."""
     env = dict(os.environ)
     if not WITH_KVCACHED:
         env.pop("ENABLE_KVCACHED", None)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        [
+            str(ROOT / "src"),
+            str(ROOT / "examples"),
+            *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+        ]
     )
+    command = [sys.executable, "-m", "guard_demo.engine_proof", "--mode", mode]
+    command += ["--model-dir", str(model), "--json", str(out)]
+    command += ["--engine-args", json.dumps(EXTRA_ENGINE_ARGS)]
     proc = subprocess.run(
-        [sys.executable, str(HERE / "kvcached_engine.py"), mode, str(model), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        command, env=env, capture_output=True, text=True, timeout=900, check=False
     )
     assert proc.returncode == 0, f"{mode} engine failed:\n{proc.stderr[-6000:]}"
-    document: dict[str, Any] = json.loads(out.read_text())
-    document["completions"] = {
-        name: Completion(
-            token_ids=tuple(c["token_ids"]),
-            top_logprobs=tuple(
-                {int(token): float(lp) for token, lp in position.items()}
-                for position in c["top_logprobs"]
-            ),
-        )
-        for name, c in document["completions"].items()
-    }
-    return document
+    return ScenarioRun.from_json(json.loads(out.read_text()))
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, ScenarioRun]:
     out = tmp_path_factory.mktemp("kvcached-engines")
-    return {
-        mode: run_engine(mode, tiny_model, out / f"{mode}.json")
-        for mode in ("reference", "stock", "guarded")
-    }
+    return {mode: run_engine(mode, tiny_model, out / f"{mode}.json") for mode in MODES}
 
 
-def differences(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, str]:
-    assert run["completions"].keys() == reference["completions"].keys() == {"A", "B", "C", "D"}
-    return find_mismatches(run["completions"], reference["completions"], ATOL)
+def differences(run: ScenarioRun, reference: ScenarioRun) -> dict[str, str]:
+    assert run.completions.keys() == reference.completions.keys() == {"A", "B", "C", "D"}
+    return find_mismatches(run.completions, reference.completions, ATOL)
 
 
-def test_every_engine_ran_on_the_pool_it_should(runs: dict[str, Any]) -> None:
+def test_every_engine_ran_on_the_pool_it_should(runs: dict[str, ScenarioRun]) -> None:
     for mode, run in runs.items():
         if WITH_KVCACHED:
-            assert "ElasticBlockPool" in run["pool_mro"], (mode, run["pool_mro"])
-        guarded = "PrefixGuardPool" in run["pool_mro"]
-        assert guarded == (mode == "guarded") == run["guard_applied"], (mode, run["pool_mro"])
+            assert "ElasticBlockPool" in run.pool_mro, (mode, run.pool_mro)
+        guarded = "PrefixGuardPool" in run.pool_mro
+        assert guarded == (mode == "guarded") == run.guard_applied, (mode, run.pool_mro)
     if WITH_KVCACHED:
-        assert runs["guarded"]["pool_mro"][:4] == [
+        assert runs["guarded"].pool_mro[:4] == [
             "PrefixGuardedElasticBlockPool",
             "PrefixGuardPool",
             "BlockPoolAdditions",
@@ -107,23 +99,23 @@ def test_every_engine_ran_on_the_pool_it_should(runs: dict[str, Any]) -> None:
         ]
 
 
-def test_scenario_runs_as_laid_out(runs: dict[str, Any]) -> None:
+def test_scenario_runs_as_laid_out(runs: dict[str, ScenarioRun]) -> None:
     for mode, run in runs.items():
-        assert "A" in run["preempted"][2], (mode, run["preempted"][:4])
-        assert run["async_scheduling"] == EXTRA_ENGINE_ARGS.get("async_scheduling", False)
+        assert "A" in run.preempted[2], (mode, run.preempted[:4])
+        assert run.async_scheduling == EXTRA_ENGINE_ARGS.get("async_scheduling", False)
 
 
-def test_kvcached_alone_reads_unwritten_kv(runs: dict[str, Any]) -> None:
+def test_kvcached_alone_reads_unwritten_kv(runs: dict[str, ScenarioRun]) -> None:
     stock = runs["stock"]
-    assert stock["num_cached_tokens"]["C"] == 9 * LAYOUT.block_size
+    assert stock.num_cached_tokens["C"] == 9 * LAYOUT.block_size
     found = differences(stock, runs["reference"])
     assert {"A", "C"} <= found.keys(), found
     assert "B" not in found and "D" not in found, found
 
 
-def test_guard_on_kvcached_matches_reference(runs: dict[str, Any]) -> None:
+def test_guard_on_kvcached_matches_reference(runs: dict[str, ScenarioRun]) -> None:
     guarded = runs["guarded"]
-    assert guarded["num_cached_tokens"]["C"] == 8 * LAYOUT.block_size
+    assert guarded.num_cached_tokens["C"] == 8 * LAYOUT.block_size
     assert differences(guarded, runs["reference"]) == {}
-    counters = guarded["guard_counters"]
+    counters = guarded.guard_counters
     assert counters is not None and counters["rolled_back_preempted"] > 0

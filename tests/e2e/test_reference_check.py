@@ -18,6 +18,7 @@ from guard_demo.compare import (
     compare_completions,
     find_mismatches,
 )
+from guard_demo.engine_proof import EngineProof, ScenarioRun
 from guard_demo.metrics import (
     MetricsSnapshot,
     guard_counters_by_engine,
@@ -342,3 +343,68 @@ def test_demo_report_states_shutdown_in_one_line() -> None:
     assert raced.startswith("orderly") and "vllm#48745" in raced and "clean" not in raced
     broken = report({"guarded-server.log": ["Traceback (most recent call last):"]}, [])
     assert broken.startswith("NOT CLEAN: guarded-server.log: 1 problem(s)")
+
+
+def _proof(stock_c: Completion, guarded_c: Completion) -> EngineProof:
+    """An engine proof whose C completion is ``stock_c`` on stock and ``guarded_c`` guarded
+    (A alike), every other completion the reference's."""
+    preempted = [set(), set(), {"A"}]
+    reference = ScenarioRun(completions=dict.fromkeys("ABCD", REFERENCE), preempted=preempted)
+
+    def run(completion: Completion, cached: int, guard: bool) -> ScenarioRun:
+        completions = {**reference.completions, "A": completion, "C": completion}
+        return ScenarioRun(
+            completions=completions,
+            num_cached_tokens={"C": cached},
+            preempted=preempted,
+            guard_counters={"rolled_back_preempted": 2} if guard else None,
+            guard_applied=guard,
+        )
+
+    return EngineProof(reference, run(stock_c, 288, False), run(guarded_c, 256, True))
+
+
+def test_engine_proof_verdict_and_report() -> None:
+    """The report names stock's first diverging token and its logprob gap, and the guard's
+    largest difference, which must be within the tolerance."""
+    shown = _proof(_shifted(0.82, position=1, token=3), _shifted(1.2e-5))
+    assert shown.stock_diverges and shown.guard_matches and shown.ok
+    [_, first_c] = shown.stock_divergences()
+    assert (first_c.request, first_c.position, first_c.token) == ("C", 1, 3)
+    assert first_c.logprob_gap == pytest.approx(0.82)
+    text = "\n".join(shown.render())
+    assert "C: from output token 1 (same token 3), logprob off by 0.82" in text
+    assert "stock vLLM        C hits 288 tokens, block 9 that A never wrote" in text
+    assert "all 4 completions within 1.2e-05 of no prefix caching" in text
+    assert text.endswith("OK: stock read never-written KV, the guard did not")
+    # Round trip through the JSON the demo's subprocess writes.
+    again = EngineProof.from_json(json.loads(json.dumps(shown.to_json())))
+    assert again.render() == shown.render()
+    # Stock within noise proves nothing; the guard off the reference fails.
+    assert not _proof(_shifted(1e-5), _shifted(1e-5)).ok
+    failed = _proof(_shifted(0.82), _shifted(0.5))
+    assert failed.failed_checks() == ["guarded: every completion matches no prefix caching"]
+    assert "    not so: guarded: every completion matches" in "\n".join(failed.render())
+
+
+def test_demo_fails_when_the_engine_proof_does() -> None:
+    from guard_demo.__main__ import DemoReport
+
+    demo = DemoReport(
+        guard=True,
+        vllm_version="0.32.0",
+        requests=1,
+        completed=1,
+        cancelled=0,
+        failed=0,
+        metrics=MetricsSnapshot(0, 0, 0),
+        guard_rollbacks=0,
+        engine_proof=_proof(_shifted(1e-5), _shifted(1e-5)),
+    )
+    assert not demo.ok
+    lines = demo.render().splitlines()
+    assert lines[1].startswith("1. the bug and the fix on one engine")
+    assert lines[-1].endswith("FAILED")
+    demo.engine_proof = None
+    demo.engine_proof_error = "exit status 2"
+    assert not demo.ok and "FAILED to run: exit status 2" in demo.render()
