@@ -26,6 +26,7 @@ STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
 #: The scheduler hooks, the pool graft, and what the rules add to vLLM's KVCacheManager.
 PATCHED = {t.path for t in targets.SCHEDULER_HOOKS} | {
     "KVCacheCoordinator.__setattr__",
+    f"{targets.COORDINATOR}.BlockPool",
     "KVCacheManager.rewind_num_cached_blocks",
 }
 

@@ -1,7 +1,8 @@
 """Scheduler hooks: call each scheduler's :class:`SchedulerGuard` where the series calls the rules.
 
-    Scheduler.__init__              attach a guard (rules over the grafted pool)
-    KVCacheCoordinator.__setattr__  graft the mixin onto whatever pool gets assigned
+    Scheduler.__init__              attach a guard (rules over the guarded pool)
+    kv_cache_coordinator.BlockPool  vLLM's coordinator builds its pool guarded
+    KVCacheCoordinator.__setattr__  graft the mixin onto a pool assigned later (kvcached)
     Scheduler.schedule              begin the step; end it with the output it returns
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
     Scheduler._update_waiting_for_remote_kv
@@ -23,12 +24,13 @@ import functools
 import os
 import weakref
 from collections.abc import Callable
+from importlib import import_module
 from typing import Any
 
 from vllm_prefix_guard import metrics
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.patching import PatchRegistry
-from vllm_prefix_guard.pool import graft
+from vllm_prefix_guard.pool import GuardedBlockPool, graft
 from vllm_prefix_guard.rules.kv_cache_manager import CachedBlockRewind
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
@@ -225,18 +227,18 @@ def wrap_shutdown(original: AnyFn) -> AnyFn:
 def wrap_coordinator_setattr(original: AnyFn | None) -> AnyFn:
     """``KVCacheCoordinator.__setattr__`` that grafts any pool assigned to ``block_pool``.
 
-    Hooking the assignment (not the constructor, not the ``BlockPool`` name) catches
-    vLLM's own pool and any later replacement (kvcached swaps in its pool after vLLM's
-    ``__init__``), whichever wrapper runs last. Reads stay plain attribute loads: a data
-    descriptor would put a Python call on every ``self.block_pool`` in vLLM's hot path,
-    and storing through ``__dict__`` would de-optimise every attribute of the object.
+    vLLM's own pool is built guarded already (:class:`~vllm_prefix_guard.pool.
+    GuardedBlockPool`); hooking the assignment catches any later replacement (kvcached
+    swaps in its pool after vLLM's ``__init__``), whichever wrapper runs last. Reads
+    stay plain attribute loads: a data descriptor would put a Python call on every
+    ``self.block_pool`` in vLLM's hot path, and storing through ``__dict__`` would
+    de-optimise every attribute of the object.
     """
     store = original or object.__setattr__
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         if name == "block_pool" and getattr(value, "enable_caching", False):
-            # The first assignment is vLLM's constructor handing over the pool it built.
-            value = graft(value, fresh=not hasattr(self, "block_pool"))
+            value = graft(value)
         store(self, name, value)
 
     if original is not None:
@@ -266,6 +268,9 @@ def install(registry: PatchRegistry) -> list[str]:
     coordinator_cls = resolve(COORDINATOR, "KVCacheCoordinator")
     registry.apply(coordinator_cls, "__setattr__", wrap_coordinator_setattr)
     patched.append("KVCacheCoordinator.__setattr__")
+    # vLLM's coordinator builds its pool through this name: built guarded.
+    registry.apply(import_module(COORDINATOR), "BlockPool", lambda _: GuardedBlockPool)
+    patched.append(f"{COORDINATOR}.BlockPool")
     # What the series adds to KVCacheManager, installed as it is written there.
     manager_cls = resolve(MANAGER, "KVCacheManager")
     for name, method in vars(CachedBlockRewind).items():

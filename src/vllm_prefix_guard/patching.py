@@ -19,7 +19,8 @@ _MISSING = object()
 PATCH_MARKER = "__prefix_guard_patch__"
 
 
-def _is_guard_patch(obj: Any) -> bool:
+def is_guard_patch(obj: Any) -> bool:
+    """Whether ``obj`` is one of the guard's replacements (from any registry)."""
     fget = getattr(obj, "fget", None)
     return bool(getattr(obj, PATCH_MARKER, False) or getattr(fget, PATCH_MARKER, False))
 
@@ -63,7 +64,7 @@ class PatchRegistry:
         if key in self._applied:
             raise PatchError(f"{owner!r}.{name} is already patched by vllm-prefix-guard")
         stored = vars(owner).get(name, _MISSING)
-        if _is_guard_patch(stored):
+        if is_guard_patch(stored):
             raise PatchError(
                 f"{owner!r}.{name} already carries a vllm-prefix-guard patch from another "
                 "registry; refusing to wrap it twice"

@@ -21,8 +21,10 @@ to ``BlockPool`` (``upstream/series.py``), grafted instead of edited in:
 
 It also counts what it recorded and removed, and bumps :attr:`guard_epoch` on every
 successful ``reset_prefix_cache``: the scheduler hooks read these, never the other way.
-The mixin is grafted onto the instance (:func:`graft`), whatever class vLLM or kvcached
-built, so it relies on no constructor: :func:`graft` sets its state up.
+vLLM's own pool is built guarded (:class:`GuardedBlockPool` stands for ``BlockPool`` in
+the coordinator's module); a pool built elsewhere and assigned later (kvcached's) is
+grafted in place (:func:`graft`), whatever its class, so the mixin relies on no
+constructor: ``_guard_init_state`` sets its state up.
 """
 
 from __future__ import annotations
@@ -250,21 +252,53 @@ def next_implementations(base: type) -> dict[str, staticmethod[..., Any]]:
     return bound
 
 
-def graft(pool: Any, fresh: bool = False) -> Any:
-    """Make ``pool`` a :class:`PrefixGuardPool`; idempotent; returns the guarded pool.
+def guarded_class(base: Any, kv_events: bool) -> type:
+    """``PrefixGuarded<Base>``: the mixin over ``base``, built once per base and events
+    setting, so ``__mro__`` reads ``PrefixGuarded<Base> -> PrefixGuardPool ->
+    BlockPoolAdditions -> <Base> -> ...``.
 
-    One guarded class is built per base class, so ``type(pool).__mro__`` reads
-    ``PrefixGuarded<Base> -> PrefixGuardPool -> BlockPoolAdditions -> <Base> -> ...``.
+    With KV events off nothing is emitted: the class keeps the pool's own emitter, and
+    eviction (several calls a step) pays no override.
 
-    Args:
-        pool: the pool vLLM (or kvcached) built.
-        fresh: ``pool`` was just constructed and only its own blocks refer to it (vLLM's
-            coordinator assigning the pool it built). It is then moved into the guarded
-            class as a new object, attributes copied in order and blocks re-pointed:
-            CPython 3.11 turns an object's inline attributes into a dict when its
-            ``__class__`` is reassigned, which slows every later access (measured: about
-            1% of a scheduler step). Otherwise (a pool others already share, e.g.
-            kvcached's replacement) the class is swapped in place, identity preserved.
+    Raises:
+        GuardUnsupportedError: a forwarded method of ``base`` takes other parameters.
+    """
+    guarded = _GUARDED_CLASSES.get((base, kv_events))
+    if guarded is None:
+        namespace: dict[str, Any] = {"__module__": __name__, **next_implementations(base)}
+        if not kv_events:
+            namespace["_emit_block_removed_events"] = base._emit_block_removed_events
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, *args, **kwargs)
+            self._guard_init_state()
+
+        namespace["__init__"] = __init__
+        guarded = type(f"PrefixGuarded{base.__name__}", (PrefixGuardPool, base), namespace)
+        _GUARDED_CLASSES[(base, kv_events)] = guarded
+    return guarded
+
+
+class GuardedBlockPool:
+    """What vLLM's coordinator builds in place of ``BlockPool`` while the guard is on
+    (``hooks`` binds it as ``kv_cache_coordinator.BlockPool``): the guarded class of
+    vLLM's own pool, for the events setting asked for. The pool is born guarded, so no
+    class is ever reassigned on it: CPython 3.11 turns an object's inline attributes
+    into a dict when its ``__class__`` is reassigned, which slows every later access of
+    vLLM's to it (measured: +1.5% instructions per scheduler step at 256 running).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        base = targets.resolve(targets.BLOCK_POOL, "BlockPool")
+        kv_events = bool(kwargs.get("enable_kv_cache_events", False))
+        return guarded_class(base, kv_events)(*args, **kwargs)
+
+
+def graft(pool: Any) -> Any:
+    """Make a pool built elsewhere a :class:`PrefixGuardPool` (kvcached's replacement,
+    assigned after vLLM's coordinator built its own); idempotent; returns ``pool``.
+
+    Its class is swapped in place: others may hold it already, so its identity is kept.
 
     Raises:
         GuardUnsupportedError: the pool lacks an internal the guard relies on.
@@ -279,26 +313,6 @@ def graft(pool: Any, fresh: bool = False) -> Any:
             f"has no {', '.join(missing)}",
             kvcached_support.refusal_hint(base),
         )
-    # With KV events off nothing is emitted: the pool keeps its own emitter, and eviction
-    # (several calls a step) pays no override.
-    events = bool(getattr(pool, "enable_kv_cache_events", False))
-    guarded = _GUARDED_CLASSES.get((base, events))
-    if guarded is None:
-        namespace: dict[str, Any] = {"__module__": __name__, **next_implementations(base)}
-        if not events:
-            namespace["_emit_block_removed_events"] = base._emit_block_removed_events
-        guarded = type(f"PrefixGuarded{base.__name__}", (PrefixGuardPool, base), namespace)
-        _GUARDED_CLASSES[(base, events)] = guarded
-    blocks = getattr(pool, "blocks", None)
-    if fresh and blocks is not None:
-        moved: Any = object.__new__(guarded)
-        for name, value in vars(pool).items():
-            object.__setattr__(moved, name, value)
-        for block in blocks:
-            if getattr(block, "pool", None) is pool:
-                block.pool = moved
-        pool = moved
-    else:
-        pool.__class__ = guarded
+    pool.__class__ = guarded_class(base, bool(getattr(pool, "enable_kv_cache_events", False)))
     pool._guard_init_state()
     return pool

@@ -31,7 +31,7 @@ class SchedulerGuard:
     def __init__(self, scheduler: Any, rules: UncommittedPrefixCache | None = None) -> None:
         manager = scheduler.kv_cache_manager
         self.scheduler = scheduler
-        self.pool: PrefixGuardPool = graft(manager.block_pool)  # normally grafted already
+        self.pool: PrefixGuardPool = graft(manager.block_pool)  # normally guarded already
         self.rules = UncommittedPrefixCache(manager) if rules is None else rules
         self.stats = GuardStats()
         self._epoch = self.pool.guard_epoch

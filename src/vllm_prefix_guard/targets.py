@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from vllm_prefix_guard.errors import DISABLE_HINT, GuardUnsupportedError
-from vllm_prefix_guard.patching import PATCH_MARKER
+from vllm_prefix_guard.patching import PATCH_MARKER, is_guard_patch
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"
@@ -503,12 +503,26 @@ def check_coordinator() -> Any:
     return coordinator
 
 
+def check_coordinator_pool_class() -> Any:
+    """The name the coordinator builds its pool with is vLLM's ``BlockPool`` (the guard
+    has it build the guarded subclass instead; a class another plugin put there would be
+    silently bypassed)."""
+    built = resolve(COORDINATOR, "BlockPool")
+    if built is not resolve(BLOCK_POOL, "BlockPool") and not is_guard_patch(built):
+        raise unsupported(
+            f"{COORDINATOR}.BlockPool",
+            f"is {getattr(built, '__qualname__', built)!r}, not vLLM's BlockPool",
+        )
+    return built
+
+
 def all_checks() -> list[tuple[str, Callable[[], object]]]:
     """Every start-up check as ``(what it checks, run)``; ``run`` raises
     :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
     return [
         *((internal.qualname, partial(check, internal)) for internal in INTERNALS),
         (f"{COORDINATOR}.KVCacheCoordinator.block_pool", check_coordinator),
+        (f"{COORDINATOR}.BlockPool", check_coordinator_pool_class),
     ]
 
 

@@ -104,11 +104,11 @@ def _expect_guard() -> bool:
 
 
 def _count_guard_use() -> None:
-    """Count schedulers given a guard and block pools grafted (guarded mode only), by
-    wrapping the two functions the guard's hooks call for that."""
-    from vllm_prefix_guard import hooks
+    """Count schedulers given a guard and block pools guarded (built guarded by vLLM's
+    coordinator, or grafted later), by wrapping what the guard calls for that."""
+    from vllm_prefix_guard import hooks, pool
 
-    attach_guard, graft = hooks.attach_guard, hooks.graft
+    attach_guard, guarded_class = hooks.attach_guard, pool.guarded_class
 
     def counting_attach_guard(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         global _guards_attached
@@ -116,15 +116,13 @@ def _count_guard_use() -> None:
         _guards_attached += guard is not None
         return guard
 
-    def counting_graft(pool: Any, *args: Any, **kwargs: Any) -> Any:
+    def counting_guarded_class(*args: Any, **kwargs: Any) -> Any:
         global _pools_grafted
-        from vllm_prefix_guard.pool import PrefixGuardPool
-
-        _pools_grafted += not isinstance(pool, PrefixGuardPool)
-        return graft(pool, *args, **kwargs)
+        _pools_grafted += 1
+        return guarded_class(*args, **kwargs)
 
     hooks.attach_guard = counting_attach_guard
-    hooks.graft = counting_graft
+    pool.guarded_class = counting_guarded_class
 
 
 @pytest.hookimpl(tryfirst=True)
