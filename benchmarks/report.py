@@ -1,10 +1,10 @@
-"""Turn the benchmark JSON into the markdown tables the README shows, and check the targets.
+"""Turn the benchmark JSON into the markdown tables docs/benchmarks.md shows; check the targets.
 
 Reads what ``scheduler_bench.py`` and ``engine_bench.py`` wrote (and, if present, the
 ``instructions.py`` counts), writes ``benchmarks/results/latest.md``,
-prints it, and optionally replaces the block between ``<!-- bench:begin -->`` and
-``<!-- bench:end -->`` in a README. Targets are those of the performance issue; with
-``--check`` a missed target makes the exit status 1.
+prints it, and with ``--doc`` replaces the block between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->`` in that document (``docs/benchmarks.md``). Targets are those of the
+performance issue; with ``--check`` a missed target makes the exit status 1.
 
 A before/after comparison is added when ``results/compare/before`` and
 ``results/compare/after`` hold documents of the same benchmarks (``scheduler.json``,
@@ -17,7 +17,7 @@ and add a ``"note"`` printed under the tables.
 Usage::
 
     python benchmarks/report.py                                # results/ -> latest.md
-    python benchmarks/report.py --readme README.md --check
+    python benchmarks/report.py --doc docs/benchmarks.md --check
 """
 
 from __future__ import annotations
@@ -419,14 +419,14 @@ def render(results: Path, compare: Path | None = None) -> tuple[str, list[Target
     return "\n".join(parts).rstrip() + "\n", found
 
 
-def update_readme(readme: Path, block: str) -> bool:
+def update_doc(doc: Path, block: str) -> bool:
     """Replace the text between the bench markers; False if the markers are absent."""
-    text = readme.read_text()
+    text = doc.read_text()
     if BEGIN not in text or END not in text:
         return False
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    doc.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
     return True
 
 
@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare", type=Path, default=None, help="before/after documents; RESULTS/compare"
     )
-    parser.add_argument("--readme", type=Path, default=None, help="update its bench block")
+    parser.add_argument(
+        "--doc", type=Path, default=None, help="update its bench block (docs/benchmarks.md)"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
     text, found = render(args.results, args.compare)
@@ -446,11 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(text)
     print(text)
     print(f"wrote {out}")
-    if args.readme is not None:
-        if update_readme(args.readme, text):
-            print(f"updated the bench block in {args.readme}")
+    if args.doc is not None:
+        if update_doc(args.doc, text):
+            print(f"updated the bench block in {args.doc}")
         else:
-            print(f"{args.readme} has no {BEGIN} ... {END} block; left unchanged")
+            print(f"{args.doc} has no {BEGIN} ... {END} block; left unchanged")
     missed = [t.name for t in found if not t.met]
     if missed and args.check:
         print("missed: " + "; ".join(missed), file=sys.stderr)
