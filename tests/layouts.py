@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 
 #: 4 blocks of 16 tokens; the fake connector holds the first 3.
@@ -32,6 +33,23 @@ SHRUNK_ASYNC_PRIORITY = SchedulerSpec(
 
 def shrunk_async_priority(**overrides: Any) -> SchedulerSpec:
     return dataclasses.replace(SHRUNK_ASYNC_PRIORITY, **overrides)
+
+
+#: The notes' deterministic zombie layout (``diagnostics.selftest.zombie_layout``) as the
+#: fuzzer's events: D and A run, B arrives, A is preempted in the step that scheduled it,
+#: C (and A on resume) hit A's block 8, which A's withdrawn step registered but never wrote.
+ZOMBIE_SPEC = SchedulerSpec(num_blocks=20, policy="priority", long_prefill_token_threshold=64)
+ZOMBIE_ARRIVALS = (
+    Arrive(0, "D", ((1000, 16),), 3),
+    Arrive(0, "A", ((1, 160),), 4, priority=1),
+    Arrive(1, "B", ((2000, 120),), 4),
+    Arrive(3, "C", ((1, 160),), 4, priority=1),
+)
+
+
+def zombie_workload(*more: Any) -> Workload:
+    """The zombie layout as a one-step-in-flight workload, with ``more`` events after it."""
+    return Workload(ZOMBIE_SPEC, 1, (*ZOMBIE_ARRIVALS, *more))
 
 
 def failed_sync_load(policy: str, abort_before_update: bool) -> Driver:

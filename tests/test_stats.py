@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,35 +168,24 @@ def test_dense_data_parallel_engines_keep_their_rank_and_their_own_files(
     rewrites ``data_parallel_rank`` to 0 and ``data_parallel_size`` to 1. Read from the rank,
     both engines of a DP=2 server labelled themselves ``engine="0"`` and wrote the same files
     (seen on a real ``--data-parallel-size 2`` server: one series on /metrics for two engines)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, _vllm_config, kv_cache_config
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     monkeypatch.setenv(plugin.ENV_VAR, "1")
     monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
     monkeypatch.setenv(STATS_FILE_ENV, str(tmp_path / "guard-{engine}.json"))
     plugin.register()
-    spec = SchedulerSpec(num_blocks=40)
-    schedulers = []
-    for rank in (0, 1):
-        config = _vllm_config(spec)
-        parallel = config.parallel_config
-        parallel.data_parallel_size = 2
-        parallel.data_parallel_index = rank  # what vLLM's run_engine_core does, then:
-        parallel.reconfigure_for_independent_dp_rank()
-        assert (parallel.data_parallel_rank, parallel.data_parallel_size) == (0, 1)
-        schedulers.append(
-            Scheduler(
-                vllm_config=config,
-                kv_cache_config=kv_cache_config(spec),
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=spec.block_size,
-                log_stats=True,
-            )
-        )
+
+    def rank_of_two(rank: int) -> Callable[[Any], None]:
+        def configure(config: Any) -> None:
+            parallel = config.parallel_config
+            parallel.data_parallel_size = 2
+            parallel.data_parallel_index = rank  # what vLLM's run_engine_core does, then:
+            parallel.reconfigure_for_independent_dp_rank()
+            assert (parallel.data_parallel_rank, parallel.data_parallel_size) == (0, 1)
+
+        return configure
+
+    schedulers = [make_scheduler(num_blocks=40, configure=rank_of_two(r)) for r in (0, 1)]
     for scheduler in schedulers:
         scheduler.shutdown()
     assert sorted(p.name for p in run_dir.iterdir()) == ["engine-0.json", "engine-1.json"]

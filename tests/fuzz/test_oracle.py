@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
+from layouts import zombie_workload
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
 
-# The notes' deterministic zombie layout: C (and A on resume) hit A's block 8, which
-# A's withdrawn step registered but never wrote.
-E2 = Workload(
-    SchedulerSpec(num_blocks=20, policy="priority", long_prefill_token_threshold=64),
-    1,
-    (
-        Arrive(0, "D", ((1000, 16),), 3),
-        Arrive(0, "A", ((1, 160),), 4, priority=1),
-        Arrive(1, "B", ((2000, 120),), 4),
-        Arrive(3, "C", ((1, 160),), 4, priority=1),
-    ),
-)
+E2 = zombie_workload()
 
 
 def test_hits_on_bad_kv_are_attributed() -> None:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
+from layouts import ZOMBIE_ARRIVALS, zombie_workload
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.shrink import Budget, ddmin, reads_bad_kv, shrink
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive
 
-# The notes' deterministic layout (README, "Findings"), buried in unrelated traffic.
-E2 = (
-    Arrive(0, "D", ((1000, 16),), 3),
-    Arrive(0, "A", ((1, 160),), 4, priority=1),
-    Arrive(1, "B", ((2000, 120),), 4),
-    Arrive(3, "C", ((1, 160),), 4, priority=1),
-)
+# The notes' deterministic layout, buried in unrelated traffic.
+E2 = ZOMBIE_ARRIVALS
 NOISE = (
     Arrive(0, "n0", ((5000, 8),), 1),
     Arrive(2, "n1", ((6000, 20),), 1),
@@ -21,7 +16,6 @@ NOISE = (
     Arrive(9, "n2", ((7000, 30),), 2),
     Arrive(40, "late", ((1, 160),), 2),
 )
-SPEC = SchedulerSpec(num_blocks=20, policy="priority", long_prefill_token_threshold=64)
 
 
 def test_ddmin_finds_a_one_minimal_subset() -> None:
@@ -30,7 +24,7 @@ def test_ddmin_finds_a_one_minimal_subset() -> None:
 
 
 def test_shrinks_to_the_known_layout_and_only_stock_fails() -> None:
-    workload = Workload(SPEC, 1, E2 + NOISE)
+    workload = zombie_workload(*NOISE)
     small = shrink(workload, "stock", seconds=60)
     assert len(small.events) <= len(E2)
     assert not any(isinstance(e, Abort) for e in small.events)

@@ -191,14 +191,23 @@ def kv_cache_config(spec: SchedulerSpec, hybrid_mamba: bool = False) -> Any:
     return KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def make_scheduler(spec: SchedulerSpec | None = None, **overrides: Any) -> Any:
-    """A real ``Scheduler`` (``AsyncScheduler`` when ``async_scheduling``) for ``spec``."""
+def make_scheduler(
+    spec: SchedulerSpec | None = None,
+    *,
+    configure: Callable[[Any], object] | None = None,
+    **overrides: Any,
+) -> Any:
+    """A real ``Scheduler`` (``AsyncScheduler`` when ``async_scheduling``) for ``spec``;
+    ``configure`` may change the ``VllmConfig`` before the scheduler is built (what vLLM's
+    engine does to it, e.g. a data-parallel rank)."""
     spec = dataclasses.replace(spec or SchedulerSpec(), **overrides)
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = _vllm_config(spec)
+    if configure is not None:
+        configure(vllm_config)
     cls = AsyncScheduler if spec.async_scheduling else Scheduler
     extra: dict[str, Any] = {}
     if spec.sliding_window:
