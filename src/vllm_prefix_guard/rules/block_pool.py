@@ -61,6 +61,7 @@ class BlockPoolAdditions:
 
         Returns:
             Those that no other block is cached under.
+
         """
         return [
             block_hash
