@@ -331,6 +331,9 @@ def _upstream(session: nox.Session, checks: str) -> None:
         str(ROOT / "upstream" / "results.json"),
         "--only",
         checks,
+        # vllm-suite-ci (run before this in `nox`) already ran vLLM's tests unpatched.
+        "--reuse-unpatched-suite",
+        str(ROOT / ".nox" / f"vllm-suite-ci-{short('0.33.0')}"),
         *session.posargs,
     )
     session.run("python3", str(ROOT / "upstream" / "report.py"), external=True)

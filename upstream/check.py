@@ -302,23 +302,35 @@ def suite_outcomes(
     return rc, report.get("outcomes", {}), round(time.monotonic() - started)
 
 
-def check_c(trees: dict[str, Path], env: Env, work: Path, selection: str) -> dict[str, Any]:
+def reusable_stock_run(directory: Path | None, selection: str) -> Any:
+    """The unpatched outcomes of ``nox -s vllm-suite-ci``'s stock run in ``directory``,
+    when it ran this selection on this vLLM (the same run check c makes unpatched)."""
+    if directory is None:
+        return None
+    summary, stock = directory / "summary.json", directory / "stock.json"
+    if not (summary.exists() and stock.exists()):
+        return None
+    facts = json.loads(summary.read_text())
+    if facts.get("selection") != selection or facts.get("vllm") != tree.installed_version():
+        return None
+    outcomes = json.loads(stock.read_text()).get("outcomes", {})
+    return (0, outcomes, 0) if outcomes else None
+
+
+def check_c(
+    trees: dict[str, Path], env: Env, work: Path, selection: str, reuse: Path | None = None
+) -> dict[str, Any]:
     """vLLM's own tests: nothing that passes unpatched fails on any prefix."""
-    done = in_parallel(
-        {
-            name: partial(
-                suite_outcomes,
-                trees[name],
-                trees[name] if count else None,
-                selection,
-                env,
-                work,
-                name,
-            )
-            for name, count in tree_names().items()
-        }
-    )
-    rc_u, unpatched, wall_u = done.pop(UNPATCHED)
+    reused = reusable_stock_run(reuse, selection)
+    jobs = {
+        name: partial(
+            suite_outcomes, trees[name], trees[name] if count else None, selection, env, work, name
+        )
+        for name, count in tree_names().items()
+        if count or reused is None
+    }
+    done = in_parallel(jobs)
+    rc_u, unpatched, wall_u = done.pop(UNPATCHED) if reused is None else reused
     prefixes: dict[str, Any] = {}
     ok = rc_u in (0, 1) and bool(unpatched)
     for name, (rc, outcomes, wall) in done.items():
@@ -342,6 +354,7 @@ def check_c(trees: dict[str, Path], env: Env, work: Path, selection: str) -> dic
     _, new_form = pytest(whole, whole, [CHANGED_VLLM_TEST], environment, work, "c-new-form")
     return {
         "selection": selection,
+        "unpatched_from": "vllm-suite-ci's stock run" if reused is not None else "this check",
         "unpatched": summarize(unpatched),
         "unpatched_seconds": wall_u,
         "prefixes": prefixes,
@@ -507,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="fuzz seeds per configuration")
     parser.add_argument("--selection", default="ci", help="tests/vllm_suite selection")
     parser.add_argument(
+        "--reuse-unpatched-suite",
+        type=Path,
+        help="a run_vllm_suite.py --out directory whose stock run check c may reuse",
+    )
+    parser.add_argument(
         "--only", default="a,b,c,d", help="comma-separated checks to run (e: the step cost)"
     )
     args = parser.parse_args(argv)
@@ -540,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's own tests: "c" is the selection CI runs, "c:<name>" any other.
         (
             "c" if args.selection == "ci" else f"c:{args.selection}",
-            lambda: check_c(trees, env, work, args.selection),
+            lambda: check_c(trees, env, work, args.selection, args.reuse_unpatched_suite),
         ),
         ("d", lambda: check_d(trees, env, work, args.seeds, results.get("b"))),
         ("e", lambda: check_e(trees, env, work)),
