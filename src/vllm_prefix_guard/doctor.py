@@ -98,7 +98,7 @@ def run_checks(self_test: bool) -> list[Check]:
             checks.append(Check(f"internal {what}", FAIL, str(exc)))
         else:
             checks.append(Check(f"internal {what}", OK, "present"))
-    if internals_ok and kvcached.pool_class is not None and not refused:
+    if internals_ok and kvcached.active and not refused and kvcached.pool_class is not None:
         checks.append(_kvcached_pool_check(kvcached.pool_class, guard_on))
     if self_test:
         failed = sum(c.failed for c in checks)

@@ -103,6 +103,11 @@ class KvcachedStatus:
     def refuses_vllm(self) -> bool | None:
         return refuses_vllm(self.vllm_version, self.window)
 
+    @property
+    def active(self) -> bool:
+        """kvcached's pool is the one an engine started from this shell builds."""
+        return self.enabled and self.pool_class is not None and not self.refuses_vllm
+
     def describe(self) -> str:
         """One line: is kvcached there, which pool the guard grafts onto, and if kvcached
         is inactive, why."""

@@ -177,17 +177,24 @@ RUNS: dict[str, Callable[[], Any]] = {
 }
 
 
+def audited_verdict(run: Callable[[], Any]) -> dict[str, Any]:
+    """``run``'s verdict, its scheduler audited (:class:`Audit`) when guarded."""
+    try:
+        with audited():
+            return verdict(run())
+    finally:
+        Audit.current = None
+
+
 def run_all() -> dict[str, Any]:
     out = {}
     for name, run in RUNS.items():
         started = time.perf_counter()
         try:
-            with audited():
-                out[name] = verdict(run())
+            out[name] = audited_verdict(run)
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}", "where": _where()}
         out[name]["seconds"] = round(time.perf_counter() - started, 2)
-        Audit.current = None
     return out
 
 
@@ -496,7 +503,10 @@ def main(order: str) -> dict[str, Any]:
         out["status_enabled"] = kvcached_status()
 
         def on_vllm_pool() -> dict[str, Any]:
-            result = {"status": kvcached_status(), "zombie_sync": verdict(zombie(False))}
+            result = {
+                "status": kvcached_status(),
+                "zombie_sync": audited_verdict(lambda: zombie(False)),
+            }
             plugin.undo()
             result["zombie_sync_unguarded"] = verdict(zombie(False))
             plugin.apply()

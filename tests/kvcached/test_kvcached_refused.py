@@ -65,8 +65,8 @@ def test_doctor_says_present_which_pool_and_why_inactive() -> None:
     """``vllm-prefix-guard doctor --json`` with kvcached installed (patched on import) and
     ``ENABLE_KVCACHED`` set: present, the guard's pool, why kvcached is inactive."""
     doctor = scenarios("vllm_pool")["doctor"]
+    assert [(n, c["detail"]) for n, c in doctor["checks"].items() if not c["ok"]] == []
     assert doctor["status"] == 0
-    assert not [name for name, check in doctor["checks"].items() if not check["ok"]]
     detail = doctor["checks"]["kvcached"]["detail"]
     assert detail.startswith("kvcached 0.1.6 present, inactive: kvcached refuses vLLM")
     assert "its engine start-up check admits only >=0.29.0,<0.31.0" in detail
