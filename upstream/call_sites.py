@@ -24,6 +24,12 @@ class Edit:
 BLOCK_POOL = "vllm/v1/core/block_pool.py"
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 KV_LOAD_TESTS = "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py"
+#: vLLM's tests that build a scheduler with ``object.__new__`` and set, one by one, the
+#: attributes ``update_from_output`` reads: each gets the new one.
+BARE_SCHEDULER_TESTS = (
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_async_scheduler.py",
+)
 
 #: Part 1, the commit fence: the pool records every new entry of the open step; the
 #: scheduler opens, closes, commits and resets the steps and rolls back a preemption.
@@ -184,6 +190,17 @@ from vllm.v1.core.sched.uncommitted import UncommittedPrefixCache
         if reset_successful and self.uncommitted_prefix_cache is not None:
             self.uncommitted_prefix_cache.reset()
 """,
+    ),
+    *(
+        Edit(
+            path,
+            """    scheduler.recompute_kv_load_failures = False
+""",
+            """    scheduler.recompute_kv_load_failures = False
+    scheduler.uncommitted_prefix_cache = None
+""",
+        )
+        for path in BARE_SCHEDULER_TESTS
     ),
 )
 

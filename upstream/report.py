@@ -3,7 +3,7 @@
 overview) and each part's PR text, ``upstream/series/000N-*.md``.
 
 The prose is in the templates (``README.template.md``, ``parts/<part>/PR.template.md``);
-every figure comes from what ``check.py`` measured (``nox -s upstream``; ``nox -s
+every figure comes from what ``check.py`` measured (``nox -s upstream-full``; ``nox -s
 upstream-bench`` adds the step cost), filled in at the ``<!-- figures:NAME -->`` markers.
 Standard library only.
 
@@ -255,8 +255,11 @@ def overview(results: dict[str, Any]) -> dict[str, str]:
         f"beside a prefix of it, naming what is missing: {verdict(d)}.",
     ]
     ok = "every check passed" if results.get("ok") else "a check FAILED"
+    seeds = results.get("b", {}).get("seeds", 0)
+    session = "upstream-full" if seeds >= 3 else "upstream"
+    last = f"last `nox -s {session}` (fuzz seeds 0-{seeds - 1})"
     return {
-        "header": f"{GENERATED}\n\nvLLM {results['vllm']}; last `nox -s upstream`: **{ok}**.",
+        "header": f"{GENERATED}\n\nvLLM {results['vllm']}; {last}: **{ok}**.",
         "parts": "\n".join(parts),
         "summary": "\n".join(summary),
         "soak": soak_section(),

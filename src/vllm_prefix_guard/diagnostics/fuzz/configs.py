@@ -48,6 +48,15 @@ class FuzzConfig:
     # Stock vLLM must show violations here.
     targeted: bool = False
 
+    @property
+    def fails_kv_loads(self) -> bool:
+        """Some KV-connector loads of this configuration fail: in failed-load episodes,
+        or in its random traffic's external prefixes."""
+        if self.failed_loads is not None:
+            return True
+        traffic = self.traffic
+        return traffic is not None and traffic.external_share > 0 and traffic.fail_share > 0
+
     def workload(self, seed: int, horizon: int | None = None) -> Workload:
         """The workload of ``seed``; each generator draws from its own stream."""
         horizon = self.horizon if horizon is None else horizon
