@@ -103,33 +103,41 @@ def test_the_wheel_holds_the_guard_and_its_diagnostics_only(wheel: Path) -> None
     assert "vllm-prefix-guard = vllm_prefix_guard.cli:main" in text
 
 
-def _modules_after(code: str, **env: str) -> set[str]:
-    probe = code + "\nimport sys\nprint('\\n'.join(sorted(sys.modules)))\n"
+#: The guard's modules a process has loaded, printed after each stage (one interpreter:
+#: importing vLLM is most of the cost).
+_STAGES = """
+import contextlib, io, sys
+def loaded(stage):
+    print(stage, *sorted(m for m in sys.modules if m.startswith("vllm_prefix_guard")))
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+from vllm_prefix_guard import plugin
+assert plugin.is_applied()
+loaded("plugin")
+from vllm_prefix_guard.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    main(["doctor"])
+loaded("doctor")
+"""
+
+
+def test_the_plugin_and_doctor_import_no_diagnostics() -> None:
+    """Loading the plugin (as vLLM does) and then ``doctor`` without ``--self-test`` import
+    nothing from ``vllm_prefix_guard.diagnostics``."""
     result = subprocess.run(
-        [sys.executable, "-c", probe],
-        env={**os.environ, **env},
+        [sys.executable, "-c", _STAGES],
+        env={**os.environ, "VLLM_PREFIX_GUARD": "1"},
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    return {m for m in result.stdout.split() if m.startswith("vllm_prefix_guard")}
-
-
-def test_loading_the_plugin_imports_no_diagnostics() -> None:
-    loaded = _modules_after(
-        "import vllm.plugins\nvllm.plugins.load_general_plugins()\n"
-        "from vllm_prefix_guard import plugin\nassert plugin.is_applied()",
-        VLLM_PREFIX_GUARD="1",
-    )
-    assert "vllm_prefix_guard.plugin" in loaded
-    assert not {m for m in loaded if m.startswith("vllm_prefix_guard.diagnostics")}
-
-
-def test_doctor_without_self_test_imports_no_diagnostics() -> None:
-    loaded = _modules_after(
-        "import contextlib, io\nfrom vllm_prefix_guard.cli import main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n    main(['doctor'])"
-    )
-    assert "vllm_prefix_guard.doctor" in loaded
-    assert not {m for m in loaded if m.startswith("vllm_prefix_guard.diagnostics")}
+    stages = {
+        line.split()[0]: set(line.split()[1:])
+        for line in result.stdout.splitlines()
+        if line.startswith(("plugin ", "doctor "))
+    }
+    assert "vllm_prefix_guard.plugin" in stages["plugin"]
+    assert "vllm_prefix_guard.doctor" in stages["doctor"]
+    for modules in stages.values():
+        assert not {m for m in modules if m.startswith("vllm_prefix_guard.diagnostics")}
