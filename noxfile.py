@@ -30,27 +30,46 @@ def short(version: str) -> str:
     return version.rsplit(".", 1)[0]
 
 
+def venv_dir(version: str) -> Path:
+    return ROOT / ".nox" / f"vllm-{short(version)}"
+
+
+def install_commands(version: str) -> list[list[str]] | None:
+    """What makes the venv of one vLLM release, or None when it is already made (a marker
+    file records what was installed)."""
+    venv = venv_dir(version)
+    python = str(venv / "bin" / "python")
+    requirement = TESTED_VLLM[version]
+    marker = venv / ".vllm-requirement"
+    if marker.exists() and marker.read_text() == requirement:
+        return None
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    return [
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [*pip, "--upgrade", "pip"],
+        [*pip, requirement],
+        [python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT],
+    ]
+
+
+def mark_installed(version: str) -> None:
+    (venv_dir(version) / ".vllm-requirement").write_text(TESTED_VLLM[version])
+
+
 def vllm_venv(session: nox.Session, version: str) -> Path:
     """The shared venv of one vLLM release: made once, reused by every session.
 
-    A marker file records what was installed; the project itself is reinstalled
-    (editable, cheap) every time so the venv always runs this checkout.
+    The project itself is reinstalled (editable, cheap) every time so the venv always runs
+    this checkout.
     """
-    venv = ROOT / ".nox" / f"vllm-{short(version)}"
-    python = venv / "bin" / "python"
-    marker = venv / ".vllm-requirement"
-    requirement = TESTED_VLLM[version]
-    if not marker.exists() or marker.read_text() != requirement:
-        session.run(sys.executable, "-m", "venv", "--clear", str(venv), external=True)
-        pip = (str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check")
-        session.run(*pip, "--upgrade", "pip", external=True)
-        session.run(*pip, requirement, external=True)
-        session.run(
-            str(python), "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT, external=True
-        )
-        marker.write_text(requirement)
+    venv = venv_dir(version)
+    commands = install_commands(version)
+    if commands is not None:
+        for command in commands:
+            session.run(*command, external=True)
+        mark_installed(version)
     session.run(
-        str(python),
+        str(venv / "bin" / "python"),
         "-m",
         "pip",
         "install",
@@ -61,6 +80,32 @@ def vllm_venv(session: nox.Session, version: str) -> Path:
         external=True,
     )
     return venv
+
+
+@nox.session(python=False)
+def venvs(session: nox.Session) -> None:
+    """Make every tested vLLM's venv at once (the downloads and unpacking overlap; one after
+    the other they are the slowest part of a clean ``nox``). Sessions reuse them."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def make(version: str) -> str:
+        commands = install_commands(version)
+        if commands is None:
+            return f"{version}: already made"
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"{version}: FAILED: {' '.join(command)}\n{done.stdout}{done.stderr}"
+        mark_installed(version)
+        return f"{version}: made"
+
+    with ThreadPoolExecutor(max_workers=len(TESTED_VLLM)) as pool:
+        reports = list(pool.map(make, TESTED_VLLM))
+    for report in reports:
+        session.log(report)
+    if any(": FAILED" in report for report in reports):
+        session.error("a vLLM venv could not be made")
 
 
 def run_in(session: nox.Session, venv: Path, *args: str, env: dict[str, str] | None = None) -> None:
