@@ -110,14 +110,14 @@ class ConfigResult:
             wrong = guard.kv_event_keys_missing + guard.kv_event_keys_extra
             detail = (
                 f"{guard.kv_event_keys_missing} keys missing, {guard.kv_event_keys_extra} "
-                f"extra, summed over {guard.kv_event_inconsistent_steps} steps"
+                f"extra, in {guard.kv_event_inconsistent_steps} inconsistent steps"
             )
             if "stock" in totals:
                 stock = totals["stock"]
                 detail += (
                     f"; stock: {stock.kv_event_keys_missing} missing, "
-                    f"{stock.kv_event_keys_extra} extra over "
-                    f"{stock.kv_event_inconsistent_steps} steps"
+                    f"{stock.kv_event_keys_extra} extra, in "
+                    f"{stock.kv_event_inconsistent_steps} inconsistent steps"
                 )
             checks.append(Check(KV_EVENTS_CHECK, OK if wrong == 0 else FAIL, detail))
         for mode in ("guard",):

@@ -66,6 +66,7 @@ def summary_columns(modes: tuple[str, ...]) -> tuple[str, ...]:
         f"preemptions: {per_mode}",
         "pr43569 rolled back in flight",
         f"runs wedged by vLLM (released): {per_mode}",
+        f"KV-event keys wrong (missing + extra, summed over steps): {per_mode}",
         "checks",
     )
 
@@ -102,6 +103,7 @@ def summary_table(results: list[ConfigResult]) -> str:
             _per_mode(runs, "preemptions"),
             str(pr.rolled_back_in_flight) if pr else "-",
             _per_mode(runs, "wedged_runs"),
+            " / ".join(str(run.kv_event_keys_missing + run.kv_event_keys_extra) for run in runs),
             verdict,
         ]
         lines.append("| " + " | ".join(cells) + " |")
