@@ -22,6 +22,12 @@ Two subcommands::
         --toggle-collect=_operator_call \\
         python benchmarks/instructions.py count 256-fcfs-nopressure-sync guard
 
+A column only this script has, ``graft``: the guard's scheduler hooks and pool mixin in
+place, but its step calls (``begin_step``, ``end_step``, ``commit_step``) do nothing, so no
+step record is ever open and the pool's overrides take their pass-through branch. ``graft``
+against ``stock`` is the graft's own cost (the extra frames on vLLM's hot path); ``guard``
+against ``graft`` is the rules' work (recording, commit, attribution).
+
 Needs Python 3.11+ (``operator.call``) and valgrind.
 """
 
@@ -51,6 +57,9 @@ from scheduler_bench import (
 )
 
 DEFAULT_CELL = "256-fcfs-nopressure-sync"
+#: The guard grafted, its rules idle (see the module docstring).
+GRAFT = "graft"
+DEFAULT_COLUMNS = (*COLUMNS, GRAFT)
 CALLGRIND = [
     "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
     "--toggle-collect=_operator_call",
@@ -64,6 +73,9 @@ def count(cell: Cell, column: str, warmup: int, steps: int) -> dict[str, Any]:
     collection itself is toggled by the scheduler calls (see the module docstring).
     """
     pid = str(os.getpid())
+    if mode_of(column) == GRAFT:
+        idle_rules()
+        column = "guard"
     with frozen_heap():
         lane = Lane(cell, column)
         for _ in range(warmup):
@@ -75,6 +87,24 @@ def count(cell: Cell, column: str, warmup: int, steps: int) -> dict[str, Any]:
         subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
         counters = lane.counters()
     return {"trajectory": counters["trajectory"], "ledger": counters.get("ledger")}
+
+
+def idle_rules() -> None:
+    """The ``graft`` column: the guard's step calls do nothing in this process."""
+    from vllm_prefix_guard.scheduler_guard import SchedulerGuard
+
+    def idle(self: Any, *args: Any) -> None:
+        return None
+
+    for name in ("begin_step", "end_step", "commit_step"):
+        setattr(SchedulerGuard, name, idle)
+
+
+def columns_of(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    """``--columns``: scheduler_bench's columns, and ``graft``."""
+    columns = tuple(c for c in text.split(",") if c)
+    parse_columns(parser, ",".join(c for c in columns if mode_of(c) != GRAFT))
+    return columns
 
 
 def measure(
@@ -126,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("measure", help="every cell x column, one callgrind run each")
     run.add_argument("--sizes", default="256", help="running requests per cell")
     run.add_argument("--cells", default=DEFAULT_CELL, help="comma-separated cell names")
-    run.add_argument("--columns", default=",".join(COLUMNS), help="first is the reference")
+    run.add_argument(
+        "--columns", default=",".join(DEFAULT_COLUMNS), help="first (stock) is the reference"
+    )
     run.add_argument("--out", type=Path, default=None, help="write the JSON results here")
     one = commands.add_parser("count", help="one column, in the process callgrind watches")
     one.add_argument("cell", help="a cell name, e.g. " + DEFAULT_CELL)
@@ -138,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     if args.command == "count":
-        if mode_of(args.column) not in COLUMNS:
-            parser.error(f"column takes {', '.join(COLUMNS)} (optionally with a #suffix)")
+        if mode_of(args.column) not in DEFAULT_COLUMNS:
+            parser.error(f"column takes {', '.join(DEFAULT_COLUMNS)} (optionally with a #suffix)")
         (cell,) = parse_cells(parser, args.cell.split("-", 1)[0], args.cell)
         print(json.dumps(count(cell, args.column, args.warmup, args.steps)))
         return 0
-    columns = parse_columns(parser, args.columns)
+    columns = columns_of(parser, args.columns)
     cells = parse_cells(parser, args.sizes, args.cells)
     started = time.monotonic()
     counts = measure(cells, columns, args.warmup, args.steps)

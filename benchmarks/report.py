@@ -181,6 +181,19 @@ def instruction_table(doc: dict[str, Any]) -> list[str]:
             )
             + " |"
         )
+    for cell in doc["cells"]:
+        if {"stock", "guard", "graft"} <= cell.keys():
+            stock, graft, guard = (
+                cell[column]["instructions_per_step"] for column in ("stock", "graft", "guard")
+            )
+            lines += [
+                "",
+                f"Where the guard's instructions go ({cell['cell']}): the graft's own frames "
+                f"(`graft`: hooks and pool mixin in place, rules idle) "
+                f"{(graft / stock - 1) * 100:+.2f}% of stock, the rules' work (recording, "
+                f"commit, attribution) {(guard - graft) / stock * 100:+.2f}%, in all "
+                f"{(guard / stock - 1) * 100:+.2f}%.",
+            ]
     return lines
 
 
