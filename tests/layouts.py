@@ -5,7 +5,8 @@ Every test that builds a real scheduler builds it with
 ones two test files share (the regression tests on vLLM's pool, and ``tests/kvcached``
 on kvcached's, in its own interpreter, which has this directory on its path). Each
 returns the :class:`~vllm_prefix_guard.diagnostics.shadow_kv.Driver` it ran, whose
-shadow KV holds the verdict; what a test asserts stays in the test.
+shadow KV holds the verdict, or the figures the test asserts on; what a test asserts
+stays in the test.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
+from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 
 #: 4 blocks of 16 tokens; the fake connector holds the first 3.
@@ -132,3 +134,84 @@ def fcfs_preemption_two_in_flight() -> Driver:
         driver.add(make_request(f"r{i}", prefix + [700 + i] * (8 + 8 * i), max_tokens=24))
     driver.run()
     return driver
+
+
+# -- KV events with one key in two blocks (tests/test_kv_events.py, and kvcached's pool) --
+
+
+def kv_events_eviction_shape() -> dict[str, Any]:
+    """Two greedy-identical requests run to the end, so their second block is one key in
+    two free cached blocks; then vLLM evicts one copy (what allocating it for reuse does),
+    then the other. Returns what a consumer replayed from the KV events lacks or has in
+    excess (:meth:`~vllm_prefix_guard.diagnostics.kv_events.KVEventReplay.check`) after
+    each eviction, and whether the key still hits."""
+    scheduler = make_scheduler(num_blocks=40, kv_events=True)
+    replay = KVEventReplay(scheduler)
+    driver = Driver(scheduler)
+    for name in ("x", "y"):
+        driver.add(make_request(name, list(range(1, 17)), max_tokens=24))
+    driver.run()
+    pool = scheduler.kv_cache_manager.block_pool
+    index = pool.cached_block_hash_to_block
+    key, blocks = next((k, v) for k, v in index._cache.items() if isinstance(v, dict))
+    first, second = blocks.values()
+    before = replay.check()
+    pool.evict_blocks({first.block_id})
+    still_hits = index.get_one_block(key) is second
+    after_first = replay.check()
+    pool.evict_blocks({second.block_id})
+    return {
+        "pool": type(pool).__name__,
+        "events_enabled": KVEventReplay.enabled(scheduler),
+        "violations": driver.violations,
+        "wrong_before": before,
+        "wrong_after_first": after_first,
+        "still_hits": still_hits,
+        "wrong_after_second": replay.check(),
+        "gone_after_second": index.get_one_block(key) is None,
+    }
+
+
+def kv_events_rollback_shape() -> dict[str, Any]:
+    """X and Y decode greedy-identical blocks; W's prefill chunk cannot allocate in the
+    step where both register their copy of block 2, and Y (lower priority) is preempted
+    after registering its copy, which that step will never write. Found by search over
+    pool sizes and arrival steps (9 blocks, W at step 14). Returns how many blocks cache
+    the key right after the preemption and the steps after which a consumer replayed from
+    the KV events disagreed with the pool."""
+    scheduler = make_scheduler(
+        num_blocks=9,
+        policy="priority",
+        long_prefill_token_threshold=32,
+        max_num_batched_tokens=256,
+        kv_events=True,
+    )
+    replay = KVEventReplay(scheduler)
+    driver = Driver(scheduler)
+    prompt = list(range(1, 17))
+    driver.add(make_request("X", prompt, max_tokens=40, priority=0, arrival_time=0.0))
+    driver.add(make_request("Y", prompt, max_tokens=40, priority=1, arrival_time=1.0))
+    manager = scheduler.kv_cache_manager
+    index = manager.block_pool.cached_block_hash_to_block
+    copies_after_preemption = None
+    disagreements = []
+    for step in range(400):
+        if step == 14:
+            driver.add(make_request("W", list(range(500, 564)), max_tokens=4, arrival_time=2.0))
+        if not (scheduler.has_requests() or driver.in_flight):
+            break
+        output = driver.schedule()
+        if copies_after_preemption is None and "Y" in (output.preempted_req_ids or ()):
+            key = manager.block_pool.blocks[manager.get_block_ids("X")[0][1]].block_hash
+            held = index._cache.get(key)
+            copies_after_preemption = len(held) if isinstance(held, dict) else int(bool(held))
+        driver.complete()
+        if replay.check():
+            disagreements.append(step)
+    return {
+        "pool": type(manager.block_pool).__name__,
+        "events_enabled": KVEventReplay.enabled(scheduler),
+        "violations": driver.violations,
+        "copies_after_preemption": copies_after_preemption,
+        "disagreements": disagreements,
+    }

@@ -186,6 +186,20 @@ def audited_verdict(run: Callable[[], Any]) -> dict[str, Any]:
         Audit.current = None
 
 
+def kv_event_shapes() -> dict[str, Any]:
+    """The two KV-event shapes of ``tests/test_kv_events.py`` on this process's pool."""
+    out: dict[str, Any] = {}
+    for name, shape in (
+        ("eviction", layouts.kv_events_eviction_shape),
+        ("rollback", layouts.kv_events_rollback_shape),
+    ):
+        try:
+            out[name] = shape()
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "where": _where()}
+    return out
+
+
 def run_all() -> dict[str, Any]:
     out = {}
     for name, run in RUNS.items():
@@ -468,6 +482,7 @@ def guarded_part(out: dict[str, Any]) -> None:
 
     out["pool"] = _attempt(factory.make_scheduler)
     out["guarded"] = run_all()
+    out["guarded_kv_events"] = kv_event_shapes()
     out["pool_level"] = pool_scenarios()
     out["legacy_refused"] = legacy_refused()
     out["guard_on_vllm_pool"] = without_kvcached_enabled(lambda: _attempt(factory.make_scheduler))
@@ -486,11 +501,13 @@ def main(order: str) -> dict[str, Any]:
         guarded_part(out)
         plugin.undo()
         out["alone"] = run_all()
+        out["alone_kv_events"] = kv_event_shapes()
     elif order == "kvcached_first":
         out["patched_on_import"] = patched_on_import()
         out["doctor"] = doctor()
         out["patches"] = kvcached_cpu.activate()
         out["alone"] = run_all()
+        out["alone_kv_events"] = kv_event_shapes()
         out["guard_patched"] = plugin.apply()
         guarded_part(out)
     elif order == "vllm_pool":

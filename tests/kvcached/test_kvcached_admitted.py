@@ -116,6 +116,22 @@ def test_fcfs_hits_and_preemptions_equal_kvcached_alone(order: str, run: str) ->
     assert guarded == alone
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_kvcached_pool_publishes_no_kv_events(order: str) -> None:
+    """tests/test_kv_events.py's two shapes, KV events requested, on kvcached's pool.
+    kvcached 0.1.6 builds its ``ElasticBlockPool`` without ``enable_kv_cache_events``
+    (its legacy variant asserts they are off), so an engine on it publishes no block
+    events, guarded or not: no stream for a second copy of a key to falsify (the guard's
+    eviction filter applies wherever a pool has events on). Guarded, the rollback shape
+    still undoes exactly the one copy that was never written."""
+    result = scenarios(order)
+    for shapes in (result["alone_kv_events"], result["guarded_kv_events"]):
+        for shape in shapes.values():
+            assert "ElasticBlockPool" in shape["pool"] and shape["events_enabled"] is False
+    rollback = result["guarded_kv_events"]["rollback"]
+    assert rollback["copies_after_preemption"] == 1 and rollback["violations"] == 0
+
+
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("order", ORDERS)
 def test_every_registration_reaching_kvcached_index_is_recorded(order: str, run: str) -> None:
