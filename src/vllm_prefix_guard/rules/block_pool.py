@@ -53,7 +53,10 @@ class BlockPoolAdditions:
         same prefix concurrently each fill a block of their own. `BlockRemoved`
         tells KV-event consumers (KV-aware routers) that this engine no longer
         caches the hash, so it is due only when the last of those blocks loses
-        it; until then a request still hits the others.
+        it; until then a request still hits the others. Each copy is still
+        announced by its own `BlockStored`, so the stream has set semantics: a
+        hash is cached from a `BlockStored` until a `BlockRemoved` (a second
+        `BlockStored` adds nothing; a consumer must not count copies).
 
         Args:
             block_hashes: Hashes just removed from the prefix cache, each from
