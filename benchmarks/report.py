@@ -181,6 +181,12 @@ def instruction_table(doc: dict[str, Any]) -> list[str]:
             )
             + " |"
         )
+    if any("#" in column for column in columns):
+        lines += [
+            "",
+            "A `#2` column runs the same code again in another process; the spread between "
+            "repeats (memory layout differs per process) is the floor of what one run tells.",
+        ]
     for cell in doc["cells"]:
         if {"stock", "guard", "graft"} <= cell.keys():
             stock, graft, guard = (
