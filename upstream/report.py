@@ -257,7 +257,8 @@ def overview(results: dict[str, Any]) -> dict[str, str]:
     ok = "every check passed" if results.get("ok") else "a check FAILED"
     seeds = results.get("b", {}).get("seeds", 0)
     session = "upstream-full" if seeds >= 3 else "upstream"
-    last = f"last `nox -s {session}` (fuzz seeds 0-{seeds - 1})"
+    fuzzed = f"seeds 0-{seeds - 1}" if seeds > 1 else "seed 0"
+    last = f"last `nox -s {session}` (fuzz {fuzzed})"
     return {
         "header": f"{GENERATED}\n\nvLLM {results['vllm']}; {last}: **{ok}**.",
         "parts": "\n".join(parts),
