@@ -89,22 +89,23 @@ def venvs(session: nox.Session) -> None:
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    def make(version: str) -> str:
+    def make(version: str) -> tuple[bool, str]:
+        """Whether ``version``'s venv is there, and what to log about it."""
         commands = install_commands(version)
         if commands is None:
-            return f"{version}: already made"
+            return True, f"{version}: already made"
         for command in commands:
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
-                return f"{version}: FAILED: {' '.join(command)}\n{done.stdout}{done.stderr}"
+                return False, f"{version}: FAILED: {' '.join(command)}\n{done.stdout}{done.stderr}"
         mark_installed(version)
-        return f"{version}: made"
+        return True, f"{version}: made"
 
     with ThreadPoolExecutor(max_workers=len(TESTED_VLLM)) as pool:
         reports = list(pool.map(make, TESTED_VLLM))
-    for report in reports:
+    for _, report in reports:
         session.log(report)
-    if any(": FAILED" in report for report in reports):
+    if not all(made for made, _ in reports):
         session.error("a vLLM venv could not be made")
 
 

@@ -41,4 +41,6 @@ def test_rolling_back_one_copy_keeps_the_key_announced(mode: str) -> None:
         assert shape["disagreements"]
         return
     assert shape["copies_after_preemption"] == 1 and shape["violations"] == 0
-    assert shape["disagreements"] == [], "the consumer disagreed with the cache"
+    assert shape["disagreements"] == [], (
+        f"the consumer disagreed with the cache after {shape['disagreements']}"
+    )

@@ -256,9 +256,8 @@ def overview(results: dict[str, Any]) -> dict[str, str]:
     ]
     ok = "every check passed" if results.get("ok") else "a check FAILED"
     seeds = results.get("b", {}).get("seeds", 0)
-    session = "upstream-full" if seeds >= 3 else "upstream"
-    fuzzed = f"seeds 0-{seeds - 1}" if seeds > 1 else "seed 0"
-    last = f"last `nox -s {session}` (fuzz {fuzzed})"
+    fuzzed = f"fuzz seeds 0-{seeds - 1}" if seeds > 1 else "fuzz seed 0"
+    last = f"last `upstream/check.py` run ({fuzzed})" if seeds else "last `upstream/check.py` run"
     return {
         "header": f"{GENERATED}\n\nvLLM {results['vllm']}; {last}: **{ok}**.",
         "parts": "\n".join(parts),
