@@ -453,6 +453,10 @@ def bench_scheduler(session: nox.Session) -> None:
     venv = vllm_venv(session, "0.33.0")
     out = "benchmarks/results/scheduler.json"
     run_in(session, venv, "python", "benchmarks/scheduler_bench.py", "--out", out, *session.posargs)
+    # The noise floor the report prints beside the ratios: stock against itself.
+    noise = ["--sizes", "256", "--columns", "stock,stock#2"]
+    out = "benchmarks/results/scheduler-noise.json"
+    run_in(session, venv, "python", "benchmarks/scheduler_bench.py", *noise, "--out", out)
     if shutil.which("valgrind"):  # deterministic instruction counts of the 256-running cell
         run_in(
             session,
