@@ -60,7 +60,7 @@ def test_rollback_evicts_preempt_zombies(mode: str) -> None:
 def _hybrid_manager(mode: str) -> tuple[Any, UncommittedPrefixCache | None]:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    config = kv_cache_config(SchedulerSpec(num_blocks=30), hybrid_mamba=True)
+    config = kv_cache_config(SchedulerSpec(num_blocks=30, mamba_align=True))
     manager = KVCacheManager(
         config, max_model_len=1024, scheduler_block_size=16, hash_block_size=16
     )

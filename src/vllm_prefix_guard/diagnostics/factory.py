@@ -60,6 +60,9 @@ class SchedulerSpec:
     kv_load_failure_policy: Literal["fail", "recompute"] | None = None
     # KV events on (the pool queues BlockStored / BlockRemoved; published to nowhere).
     kv_events: bool = False
+    # A second KV-cache group holding a recurrent state (Mamba2 / GDN) per block, in the
+    # "align" cache mode prefix caching uses: a hybrid model's state blocks.
+    mamba_align: bool = False
     # Any other SchedulerConfig field, passed through.
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -143,11 +146,16 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
             **extra,
         )
     cache_config.num_gpu_blocks = spec.num_blocks
+    if spec.mamba_align:
+        # What vLLM sets for a hybrid model with prefix caching (the tiny Llama has no
+        # Mamba layer, so the config cannot infer it): block-aligned prefill chunks.
+        config.cache_config.mamba_cache_mode = "align"
     return config
 
 
-def kv_cache_config(spec: SchedulerSpec, hybrid_mamba: bool = False) -> Any:
-    """A single full-attention group (or full attention + Mamba) with no tensors."""
+def kv_cache_config(spec: SchedulerSpec) -> Any:
+    """A full-attention group, plus the sliding-window or Mamba group ``spec`` asks for,
+    with no tensors."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -174,7 +182,7 @@ def kv_cache_config(spec: SchedulerSpec, hybrid_mamba: bool = False) -> Any:
                 ),
             )
         )
-    if hybrid_mamba:
+    if spec.mamba_align:
         from vllm.v1.kv_cache_interface import MambaSpec
 
         groups.append(

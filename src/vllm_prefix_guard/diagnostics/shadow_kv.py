@@ -16,6 +16,17 @@ Within a step all writes (connector loads first, then computed tokens) happen be
 any read, as in one forward pass; steps execute in dispatch order, as on one stream.
 KV computed by a request that read wrong KV is itself wrong (*poisoned*): readers of it
 see *wrong content*, which is how garbage propagates through a real model.
+
+A hybrid model's state groups (Mamba2 / GDN layers, prefix caching in ``align`` mode) hold
+one recurrent state per block instead of KV per token: :class:`ShadowState`. As vLLM's
+runner does (``mamba_utils.preprocess_mamba``), a step starts from the state in the
+request's block for its computed tokens (the block it last wrote, or for a new or resumed
+request the block of its prefix hit) and writes the state after its last token into the
+block for that position; a hit of ``h`` tokens thus resumes from whatever the block
+registered for ``h`` holds. That read is bad unless the block holds exactly the state
+after those ``h`` tokens: a wrong state corrupts everything the request computes after
+it. State blocks are not zeroed on allocation: a never-written block holds whatever its
+previous tenant left.
 """
 
 from __future__ import annotations
@@ -30,6 +41,9 @@ from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE
 
 NEVER_WRITTEN = "never_written"
 WRONG_CONTENT = "wrong_content"
+# A step started from a state block that never held a state, or held another prefix's.
+STATE_NEVER_WRITTEN = "state_never_written"
+STATE_WRONG_CONTENT = "state_wrong_content"
 
 
 # The token a request holds at a position past its prompt: ``sample(position)``.
@@ -101,6 +115,9 @@ class ScheduledRead:
     num_tokens: int
     block_ids: list[int]
     samples: bool
+    # Per state group of the worker: the request's blocks by position (block ``k`` is
+    # for the state after ``(k + 1) * block size`` tokens; None: the null block).
+    state_block_ids: list[list[int | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -233,6 +250,53 @@ class ShadowKV:
         return clean_read
 
 
+@dataclass
+class ShadowState:
+    """What each block of one align-mode state group holds, and where each request's
+    next step starts from (the runner's ``mamba_state_idx``)."""
+
+    group: int
+    block_size: int
+    index: int = 0  # this group's place in ScheduledRead.state_block_ids
+    # block_id -> fingerprint of the prefix whose state it holds (poisoned: wrong state)
+    held: dict[int, int] = field(default_factory=dict)
+    # request_id -> position of the block its last step wrote
+    last_written: dict[str, int] = field(default_factory=dict)
+    # Steps that started from a state another request wrote (a prefix hit), all checked.
+    resumed_from_hits: int = 0
+
+    def forget(self, request_ids: Any) -> None:
+        """The runner drops preempted and finished requests: a resumed request starts
+        again from the block of its prefix hit."""
+        for request_id in request_ids or ():
+            self.last_written.pop(request_id, None)
+
+    def read(self, read: ScheduledRead) -> tuple[int | None, int | None, bool]:
+        """``(block read, what it held, whether that is the state the step needs)`` for
+        ``read``'s step; ``(None, None, True)`` when it starts from a fresh state."""
+        start = read.start
+        if not start:
+            return None, None, True
+        blocks = read.state_block_ids[self.index]
+        position = self.last_written.get(read.request_id)
+        if position is None:  # new or resumed: the block of its prefix hit
+            position = (start - 1) // self.block_size
+            self.resumed_from_hits += 1
+        block_id = blocks[position] if position < len(blocks) else None
+        held = None if block_id is None else self.held.get(block_id)
+        return block_id, held, held == read.model.fingerprint(start - 1)
+
+    def write(self, read: ScheduledRead, poison: bool) -> None:
+        """The state after ``read``'s last token, into the block for that position."""
+        end = read.start + read.num_tokens
+        position = -(-end // self.block_size) - 1
+        block_id = read.state_block_ids[self.index][position]
+        assert block_id is not None, "vLLM gave the step's state no block"
+        fingerprint = read.model.fingerprint(end - 1)
+        self.held[block_id] = poisoned(fingerprint) if poison else fingerprint
+        self.last_written[read.request_id] = position
+
+
 def poisoned(fingerprint: int) -> int:
     """What a slot holds when its KV was computed over wrong KV: never the right content."""
     return ~fingerprint
@@ -252,6 +316,14 @@ class ShadowWorker:
         groups = scheduler.kv_cache_config.kv_cache_groups
         self.block_size: int = groups[0].kv_cache_spec.block_size
         self.kv = ShadowKV(self.block_size)
+        self.states = [
+            ShadowState(group, spec.block_size, index)
+            for index, (group, spec) in enumerate(
+                (group, g.kv_cache_spec)
+                for group, g in enumerate(groups)
+                if getattr(g.kv_cache_spec, "mamba_cache_mode", None) == "align"
+            )
+        ]
         self.models: dict[str, TokenModel] = {}
         self.sample = sample
         self.steps_executed = 0
@@ -269,6 +341,10 @@ class ShadowWorker:
         twin.kv.slots = {block: list(slots) for block, slots in self.kv.slots.items()}
         twin.kv.versions = dict(self.kv.versions)
         twin.kv.written_at = {block: list(at) for block, at in self.kv.written_at.items()}
+        twin.states = [
+            ShadowState(st.group, st.block_size, st.index, dict(st.held), dict(st.last_written))
+            for st in self.states
+        ]
         twin.models = self.models
         twin.steps_executed = self.steps_executed
         twin.failure_reports = list(self.failure_reports)
@@ -277,6 +353,7 @@ class ShadowWorker:
     def plan(self, output: Any) -> StepPlan:
         """Capture what ``output`` will do, right after ``schedule()`` returned it."""
         sched = self.scheduler
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
         reads = []
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = sched.requests[request_id]
@@ -292,6 +369,13 @@ class ShadowWorker:
                     num_tokens,
                     list(sched.kv_cache_manager.get_block_ids(request_id)[0]),
                     not request.is_prefill_chunk,
+                    [
+                        [
+                            None if block.is_null else block.block_id
+                            for block in managers[state.group].req_to_blocks[request_id]
+                        ]
+                        for state in self.states
+                    ],
                 )
             )
         meta = output.kv_connector_metadata
@@ -310,6 +394,28 @@ class ShadowWorker:
                 position % size,
                 poisoned(fingerprint) if poison else fingerprint,
             )
+
+    def _read_states(self, step: int, plan: StepPlan) -> set[str]:
+        """Check the state each request of ``plan`` starts from, in every state group,
+        before the step writes any (the runner copies it into place before the forward
+        pass); return the requests that started from a wrong one."""
+        bad: set[str] = set()
+        output = plan.output
+        for state in self.states:
+            state.forget(output.preempted_req_ids)
+            state.forget(output.finished_req_ids)
+            for read in plan.reads:
+                block_id, held, right = state.read(read)
+                if right:
+                    continue
+                bad.add(read.request_id)
+                kind = STATE_NEVER_WRITTEN if held is None else STATE_WRONG_CONTENT
+                self.kv.counts[kind] += 1
+                if len(self.kv.violations) < 100:
+                    self.kv.violations.append(
+                        Violation(step, read.request_id, read.start, block_id or -1, kind)
+                    )
+        return bad
 
     def execute(self, plan: StepPlan) -> Any:
         """Write, then check reads; return the step's ``ModelRunnerOutput``."""
@@ -340,6 +446,7 @@ class ShadowWorker:
         for blocks, requests in self.failure_reports[plan.reports_before :]:
             known_failed |= blocks
             known_lost |= requests
+        bad_state = self._read_states(step, plan)
         for read in plan.reads:
             self._write_computed(read, poison=False)
         # KV of a token is computed from attention over its prefix (from the second
@@ -353,6 +460,7 @@ class ShadowWorker:
                 if read.request_id not in tainted
                 and (
                     read.request_id in known_lost
+                    or read.request_id in bad_state
                     or not self.kv.check_reads(step, read, known_failed, record=False)
                 )
             }
@@ -366,6 +474,9 @@ class ShadowWorker:
             for read in plan.reads:
                 if read.request_id not in known_lost:
                     self.kv.check_reads(step, read, known_failed)
+        for state in self.states:
+            for read in plan.reads:
+                state.write(read, poison=read.request_id in tainted)
         req_ids = [read.request_id for read in plan.reads]
         sampled = [
             [read.model.token(read.start + read.num_tokens)] if read.samples else []
@@ -386,17 +497,28 @@ class Driver:
     async scheduling: the next ``schedule()`` runs before the previous step's update.
     Aborts are applied just before an update, where ``EngineCore`` processes them.
 
+    vLLM's runners compute every request of a dispatched step, aborted or not (a request
+    leaves the input batch only when a later step lists it as finished). With
+    ``drop_aborted`` the worker instead leaves an aborted request out of the steps
+    already dispatched (the worker of vLLM PR #56525's report): whatever those steps
+    registered for it is never written.
+
     The scheduler's own calls go through :meth:`call_schedule` and :meth:`call_update`
     only, so a subclass can time (or count) them alone, with the worker and this loop's
     bookkeeping outside (the benchmarks do).
     """
 
     def __init__(
-        self, scheduler: Any, depth: int = 1, sample: Callable[[str, int], int] | None = None
+        self,
+        scheduler: Any,
+        depth: int = 1,
+        sample: Callable[[str, int], int] | None = None,
+        drop_aborted: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.worker = ShadowWorker(scheduler, sample)
         self.depth = depth
+        self.drop_aborted = drop_aborted
         self.in_flight: deque[StepPlan] = deque()
         self.pending_aborts: list[str] = []
         self.outputs: list[Any] = []
@@ -419,8 +541,18 @@ class Driver:
     def add(self, request: Any) -> None:
         self.scheduler.add_request(request)
 
-    def abort(self, request_id: str) -> None:
-        self.pending_aborts.append(request_id)
+    def abort(self, request_id: str, at_once: bool = False) -> None:
+        """Abort ``request_id`` at the next update, or ``at_once``: before the next
+        ``schedule()``, as ``EngineCore`` does with an abort that arrives between steps."""
+        if at_once:
+            from vllm.v1.request import RequestStatus
+
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        else:
+            self.pending_aborts.append(request_id)
+        if self.drop_aborted:
+            for plan in self.in_flight:
+                plan.reads = [read for read in plan.reads if read.request_id != request_id]
 
     def call_schedule(self) -> Any:
         """``scheduler.schedule()``, the only place this loop calls it."""

@@ -33,7 +33,8 @@ def _row(result: ConfigResult, run: RunResult, first: bool) -> list[str]:
     return [
         name if first else "",
         run.mode,
-        f"{run.violations} ({run.never_written} / {run.wrong_content})",
+        f"{run.violations} ({run.never_written} / {run.wrong_content}"
+        + (f"; {run.bad_state_reads} from a wrong state)" if run.bad_state_reads else ")"),
         str(run.hit_tokens),
         str(run.invalid_hit_tokens),
         str(run.computed_tokens),

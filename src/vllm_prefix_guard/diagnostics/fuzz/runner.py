@@ -38,7 +38,12 @@ from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts, IdealPolicy, R
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
-from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT
+from vllm_prefix_guard.diagnostics.shadow_kv import (
+    NEVER_WRITTEN,
+    STATE_NEVER_WRITTEN,
+    STATE_WRONG_CONTENT,
+    WRONG_CONTENT,
+)
 from vllm_prefix_guard.hooks import attach_guard, guard_of
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
@@ -60,6 +65,9 @@ class RunResult:
     requests: int = 0
     never_written: int = 0
     wrong_content: int = 0
+    # Steps that started a request from a wrong recurrent state (hybrid state groups):
+    # each corrupts everything the request computes after it.
+    bad_state_reads: int = 0
     hit_tokens: int = 0
     # Hit tokens whose KV was never written or holds another prefix, and admissions
     # (resumes included) that read such KV.
@@ -105,7 +113,7 @@ class RunResult:
 
     @property
     def violations(self) -> int:
-        return self.never_written + self.wrong_content
+        return self.never_written + self.wrong_content + self.bad_state_reads
 
     @property
     def valid_hit_tokens(self) -> int:
@@ -280,6 +288,7 @@ def _result(
         requests=len(requests),
         never_written=counts[NEVER_WRITTEN],
         wrong_content=counts[WRONG_CONTENT],
+        bad_state_reads=counts[STATE_NEVER_WRITTEN] + counts[STATE_WRONG_CONTENT],
         hit_tokens=driver.request_hit_tokens,
         invalid_hit_tokens=driver.fuzz_kv.invalid_hit_tokens,
         bad_admissions=driver.fuzz_kv.bad_admissions,
