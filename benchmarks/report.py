@@ -241,13 +241,18 @@ def instruction_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def mean_instructions(cell: dict[str, Any], column: str) -> float:
-    """Instructions per step of ``column`` averaged over its repeats (``column#2``, ...)."""
-    runs = [
-        run["instructions_per_step"]
+def repeats_of(cell: dict[str, Any], column: str) -> dict[str, dict[str, Any]]:
+    """``column``'s runs in an instructions cell: itself and its repeats (``column#2``, ...)."""
+    return {
+        name: run
         for name, run in cell.items()
         if isinstance(run, dict) and name.split("#", 1)[0] == column
-    ]
+    }
+
+
+def mean_instructions(cell: dict[str, Any], column: str) -> float:
+    """Instructions per step of ``column`` averaged over its repeats."""
+    runs = [run["instructions_per_step"] for run in repeats_of(cell, column).values()]
     return sum(runs) / len(runs)
 
 
@@ -304,6 +309,14 @@ def comparison_tables(compare: Path) -> list[str]:
     return lines
 
 
+def paired_cells(
+    old: dict[str, Any], new: dict[str, Any]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """``(before, after)`` of every cell both documents measured, in the older one's order."""
+    after_cells = {c["cell"]: c for c in new["cells"]}
+    return [(c, after_cells[c["cell"]]) for c in old["cells"] if c["cell"] in after_cells]
+
+
 def instructions_comparison(
     old: dict[str, Any], new: dict[str, Any], before_label: str, after_label: str
 ) -> list[str]:
@@ -315,11 +328,7 @@ def instructions_comparison(
         "| same trajectory |",
         "|---|---|---:|---:|---:|---|---|",
     ]
-    after_cells = {c["cell"]: c for c in new["cells"]}
-    for cell in old["cells"]:
-        other = after_cells.get(cell["cell"])
-        if other is None:
-            continue
+    for cell, other in paired_cells(old, new):
         for c in old["columns"]:
             if c not in other:
                 continue
@@ -350,11 +359,7 @@ def scheduler_comparison(
         "| stock CPU us before -> after | counters identical |",
         "|---|---|---|---|---|---:|",
     ]
-    after_cells = {c["cell"]: c for c in new["cells"]}
-    for cell in old["cells"]:
-        other = after_cells.get(cell["cell"])
-        if other is None:
-            continue
+    for cell, other in paired_cells(old, new):
         stock_a, stock_b = cell["columns"]["stock"], other["columns"]["stock"]
         for c, a in cell["columns"].items():
             b = other["columns"].get(c)
@@ -505,9 +510,7 @@ def targets(
                 )
                 mean = mean_instructions(cell, "guard") / mean_instructions(cell, "stock")
                 each = ", ".join(
-                    f"{name} x{run['ratio']:.4f}"
-                    for name, run in cell.items()
-                    if isinstance(run, dict) and name.split("#", 1)[0] == "guard"
+                    f"{name} x{run['ratio']:.4f}" for name, run in repeats_of(cell, "guard").items()
                 )
                 found.append(
                     Target(
