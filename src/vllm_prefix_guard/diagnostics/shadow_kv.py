@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -316,13 +316,14 @@ class ShadowWorker:
         groups = scheduler.kv_cache_config.kv_cache_groups
         self.block_size: int = groups[0].kv_cache_spec.block_size
         self.kv = ShadowKV(self.block_size)
+        state_groups = [
+            group
+            for group, spec in enumerate(g.kv_cache_spec for g in groups)
+            if getattr(spec, "mamba_cache_mode", None) == "align"
+        ]
         self.states = [
-            ShadowState(group, spec.block_size, index)
-            for index, (group, spec) in enumerate(
-                (group, g.kv_cache_spec)
-                for group, g in enumerate(groups)
-                if getattr(g.kv_cache_spec, "mamba_cache_mode", None) == "align"
-            )
+            ShadowState(group, groups[group].kv_cache_spec.block_size, index)
+            for index, group in enumerate(state_groups)
         ]
         self.models: dict[str, TokenModel] = {}
         self.sample = sample
@@ -342,8 +343,8 @@ class ShadowWorker:
         twin.kv.versions = dict(self.kv.versions)
         twin.kv.written_at = {block: list(at) for block, at in self.kv.written_at.items()}
         twin.states = [
-            ShadowState(st.group, st.block_size, st.index, dict(st.held), dict(st.last_written))
-            for st in self.states
+            replace(state, held=dict(state.held), last_written=dict(state.last_written))
+            for state in self.states
         ]
         twin.models = self.models
         twin.steps_executed = self.steps_executed
