@@ -116,7 +116,11 @@ def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
     result = run_workload(workload, "stock" if mode == "native" else mode)
     if mode == "stock":
         if not result.wrong_content:
-            pytest.skip("this shrunk schedule reaches the window on vLLM 0.32's scheduler only")
+            # Shrunk when the fuzzer's AsyncScheduler ran without defer_block_free (see
+            # test_factory.py). Built as a GPU engine builds it, vLLM refuses the reset
+            # with a step in flight and a KV-consuming connector, and stock reads nothing
+            # here (3000 perturbations of this layout tried on vLLM 0.32: none did).
+            pytest.skip("stock reaches this window only with defer_block_free off")
         assert result.wrong_content > 0
     else:
         assert result.never_written == result.wrong_content == 0

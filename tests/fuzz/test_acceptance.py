@@ -11,6 +11,7 @@ import pytest
 
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.differential import (
+    DECISIONS_CHECK,
     EXPLAINED,
     FAIL,
     HITS_CHECK,
@@ -66,14 +67,19 @@ def test_stock_reads_bad_kv_in_targeted_configs(
 
 
 @pytest.mark.parametrize("config", ALL)
-def test_guard_hits_at_least_stocks_valid_hits(
+def test_guard_decides_as_stock_until_stock_reads_bad_kv(
     ci_results: dict[str, ConfigResult], config: str
 ) -> None:
-    """Every hit stock got on right KV, the guard gets too, on the CI seeds: the guard
-    drops no valid entry (the audit) and, over these seeds, divergence costs nothing."""
+    """On every seed where stock read only valid KV, the guard's run is stock's, step for
+    step (every admission, hit, chunk and preemption): it costs nothing where there is
+    nothing to fix. Where stock read bad KV the runs part there, and the totals compare
+    under the hits and preemptions checks (the difference is then divergence, audited:
+    no valid entry undone; e.g. everything-async on vLLM 0.32, seeds 0-2: guard 164768
+    hit tokens, stock 165312 on valid KV, and per seed the sign varies)."""
     result = ci_results[config]
-    guard, stock = result.totals["guard"], result.totals["stock"]
-    assert guard.hit_tokens >= stock.valid_hit_tokens, _check(result, HITS_CHECK)[1]
+    status, detail = _check(result, DECISIONS_CHECK)
+    assert status == OK, detail
+    assert result.clean_seeds + len(result.violating_seeds["stock"]) == len(result.seeds)
 
 
 @pytest.mark.parametrize("check", [HITS_CHECK, "guard preemptions <= stock"])

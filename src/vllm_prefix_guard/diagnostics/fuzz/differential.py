@@ -37,7 +37,17 @@ HITS_CHECK = "guard hit tokens >= stock's valid hit tokens"
 KV_EVENTS_CHECK = "guard's KV events match its prefix cache after every step"
 
 _PEAKS = {"peak_uncommitted_entries"}
-_NOT_SUMMED = {"mode", "first_violation_iteration", "examples", "audit", "decisions"}
+DECISIONS_CHECK = "guard decides as stock until stock reads bad KV"
+
+_NOT_SUMMED = {
+    "mode",
+    "first_violation_iteration",
+    "first_violation_step",
+    "examples",
+    "audit",
+    "decisions",
+    "decision_history",
+}
 
 
 def accumulate(total: RunResult, run: RunResult) -> None:
@@ -83,6 +93,13 @@ class ConfigResult:
     totals: dict[str, RunResult] = field(default_factory=dict)
     # mode -> seeds whose run read bad KV.
     violating_seeds: dict[str, list[int]] = field(default_factory=dict)
+    # Seeds where stock read only valid KV, and those of them on which the guard decided
+    # otherwise in some step.
+    clean_seeds: int = 0
+    parted_seeds: list[int] = field(default_factory=list)
+    # Where stock read bad KV: steps from the guard's first different decision to
+    # stock's first bad read, per seed (negative: the guard parted after it).
+    parting_leads: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -95,6 +112,15 @@ class ConfigResult:
             accumulate(self.totals[mode], run)
             if run.violations:
                 self.violating_seeds[mode].append(seed)
+        if "stock" in runs and "guard" in runs:
+            guard, stock = runs["guard"], runs["stock"]
+            parted = parting_step(guard, stock)
+            if stock.first_violation_step is None:
+                self.clean_seeds += 1
+                if parted is not None:
+                    self.parted_seeds.append(seed)
+            elif parted is not None:
+                self.parting_leads.append(stock.first_violation_step - parted)
 
     def checks(self) -> list[Check]:
         """The acceptance checks that apply to the modes that ran."""
@@ -138,8 +164,31 @@ class ConfigResult:
                 )
             )
         if "guard" in totals:
+            checks.append(self._decisions_check())
             checks += _guard_vs_stock(totals["guard"], stock, totals.get("ideal"))
         return [*checks, self._drain_check()]
+
+    def _decisions_check(self) -> Check:
+        """Per seed where stock read only valid KV, the guard's steps are stock's, step
+        for step: it changes no decision (so no hit and no preemption) unless stock's
+        run touches bad KV. Where stock does read bad KV the runs part, around its
+        first bad read (the detail says how many steps before it: a lookup that hits
+        bad KV can change a decision before the read, e.g. an admission that fails for
+        want of blocks); from there only totals compare."""
+        parted = self.parted_seeds
+        if self.clean_seeds:
+            detail = f"identical in {self.clean_seeds - len(parted)} of {self.clean_seeds} seeds"
+            detail += _seeds_note(parted)
+        else:
+            detail = "no seed where stock read only valid KV"
+        if self.parting_leads:
+            low, high = min(self.parting_leads), max(self.parting_leads)
+            span = f"{low}" if low == high else f"{low} to {high}"
+            detail += (
+                f"; where stock read bad KV ({len(self.parting_leads)} seeds), parted "
+                f"{span} steps before its first bad read"
+            )
+        return Check(DECISIONS_CHECK, FAIL if parted else OK, detail)
 
     def _drain_check(self) -> Check:
         """Every run drained, or drained once the requests wedged on vLLM's own
@@ -160,6 +209,16 @@ class ConfigResult:
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks())
+
+
+def parting_step(guard: RunResult, stock: RunResult) -> int | None:
+    """The first step in which ``guard``'s run decided otherwise than ``stock``'s (None:
+    never). Runs of one workload in one process."""
+    ours, theirs = guard.decision_history, stock.decision_history
+    for step, (mine, its) in enumerate(zip(ours, theirs, strict=False)):
+        if mine != its:
+            return step
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def _audit_checks(mode: str, audit: AuditCounts) -> list[Check]:

@@ -30,7 +30,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,9 @@ class MeteredDriver(Driver):
         # Digest of every step's decisions: who was scheduled for how many tokens, on
         # how many computed ones when admitted, and who was preempted.
         self.decisions = 0
+        # ``decisions`` after each step, by step (the oracle's step numbers): where two
+        # runs of one workload part.
+        self.decision_history: list[int] = []
         # request id -> its num_preemptions when last admitted.
         self._admitted: dict[str, int] = {}
 
@@ -127,9 +130,11 @@ class MeteredDriver(Driver):
                 self.decisions,
                 tuple(sorted(output.num_scheduled_tokens.items())),
                 tuple(sorted((r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs)),
+                tuple(sorted(_resumed(output.scheduled_cached_reqs))),
                 tuple(sorted(output.preempted_req_ids or ())),
             )
         )
+        self.decision_history.append(self.decisions)
         self.computed_tokens += plan.output.total_num_scheduled_tokens
         loaded: dict[str, int] = {}
         for load in plan.loads:
@@ -145,3 +150,11 @@ class MeteredDriver(Driver):
                 if first:
                     self.request_hit_tokens += read.start - loaded.get(read.request_id, 0)
                 self.fuzz_kv.admission_reads[id(read)] = first
+
+
+def _resumed(cached: Any) -> Iterator[tuple[str, int]]:
+    """Requests a step resumes after a preemption, with the tokens they resume from."""
+    if cached.resumed_req_ids:
+        for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            if request_id in cached.resumed_req_ids:
+                yield request_id, computed

@@ -103,6 +103,10 @@ class RunResult:
     # Digest of every step's decisions (MeteredDriver.decisions): equal digests, equal
     # trajectories. Meaningful between runs of one workload in one process.
     decisions: int = 0
+    # ``decisions`` after each step (MeteredDriver.decision_history), and the step whose
+    # execution first read bad KV (None: none did). Per run, not summed.
+    decision_history: list[int] = field(default_factory=list)
+    first_violation_step: int | None = None
     # Engine iteration whose step read bad KV first (None: no violation).
     first_violation_iteration: int | None = None
     # Up to the oracle's first 100 bad reads: (step, request, position, block, kind).
@@ -297,6 +301,8 @@ def _result(
         loaded_tokens=driver.loaded_tokens,
         preemptions=sum(r.num_preemptions for r in requests),
         decisions=driver.decisions,
+        decision_history=driver.decision_history,
+        first_violation_step=driver.kv.violations[0].step if driver.kv.violations else None,
         first_violation_iteration=first_violation,
         examples=[
             (v.step, v.request_id, v.position, v.block_id, v.kind) for v in driver.kv.violations
