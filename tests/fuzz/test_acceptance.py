@@ -78,7 +78,13 @@ def test_guard_decides_as_stock_until_stock_reads_bad_kv(
     hit tokens, stock 165312 on valid KV, and per seed the sign varies)."""
     result = ci_results[config]
     status, detail = _check(result, DECISIONS_CHECK)
-    assert status == OK, detail
+    if CONFIGS[config].spec.mamba_align:
+        # The guard's rolled-back blocks are reused first (no hash), stock's kept as cached:
+        # eviction order parts the runs, and vLLM ends hybrid prefill chunks at the
+        # longest single-group hit, so it shows in decisions (explained: audit exact).
+        assert status in (OK, EXPLAINED), detail
+    else:
+        assert status == OK, detail
     assert result.clean_seeds + len(result.violating_seeds["stock"]) == len(result.seeds)
 
 
@@ -90,7 +96,10 @@ def test_guard_costs_no_hits_or_preemptions(
     result = ci_results[config]
     status, detail = _check(result, check)
     assert status != FAIL, detail
-    if result.totals["stock"].bad_admissions == 0:
+    if CONFIGS[config].spec.mamba_align:
+        # As in the decisions check: eviction order, explained only with an exact audit.
+        assert status in (OK, EXPLAINED), detail
+    elif result.totals["stock"].bad_admissions == 0:
         # Stock read only valid KV: guard and stock must decide alike.
         assert status == OK, detail
     else:

@@ -335,6 +335,13 @@ class ShadowWorker:
     def connector(self) -> Any:
         return self.scheduler.connector
 
+    def state_of_group(self, group: int) -> ShadowState | None:
+        """The state group ``group`` of the KV-cache config, if it is one."""
+        for state in self.states:
+            if state.group == group:
+                return state
+        return None
+
     def fork(self) -> ShadowWorker:
         """A copy to execute steps on without touching this worker: what the KV will hold
         once the steps in flight ran (the rollback audit's ideal policy asks)."""

@@ -40,7 +40,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.shadow_kv import ShadowKV, ShadowWorker, TokenModel
+from vllm.v1.core.kv_cache_utils import get_group_id
+
+from vllm_prefix_guard.diagnostics.shadow_kv import ShadowWorker, TokenModel
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
@@ -325,15 +327,21 @@ class RollbackAudit(UncommittedPrefixCache):
         self._judge_readers(step)
 
     def verdict(
-        self, reg: Registration, kv: ShadowKV | None = None, rolled_back: bool = False
+        self, reg: Registration, worker: ShadowWorker | None = None, rolled_back: bool = False
     ) -> str:
-        """The content of ``reg``'s block (in ``kv``, default the driver's) against the KV
-        its key names; for a rollback, also whether its request's tenancy wrote it."""
+        """The content of ``reg``'s block (in ``worker``, default the driver's) against
+        the KV its key names, or in a state group the state it names; for a rollback,
+        also whether its request's tenancy wrote it."""
         if reg.model is None or reg.num_tokens <= 0:
             return UNKNOWN
         if reg.block_id in self._invalid_at.get(reg.step, ()):
             return FAILED_LOAD
-        kv = self.driver.kv if kv is None else kv
+        worker = self.driver.worker if worker is None else worker
+        if worker.states:
+            state = worker.state_of_group(get_group_id(reg.key))
+            if state is not None:
+                return state_verdict(state.held.get(reg.block_id), reg)
+        kv = worker.kv
         held = kv.slots.get(reg.block_id)
         if held is None:
             return NEVER_WRITTEN
@@ -392,6 +400,15 @@ class AuditedFailedKVLoads(FailedKVLoads):
         return super()._remove_bad(req_id, entries)
 
 
+def state_verdict(held: int | None, reg: Registration) -> str:
+    """A state group's entry: its block must hold the state after the prefix its key
+    names (a state block is one snapshot, not per-token slots)."""
+    assert reg.model is not None
+    if held is None:
+        return NEVER_WRITTEN
+    return VALID if held == reg.model.fingerprint(reg.num_tokens - 1) else WRONG
+
+
 class IdealPolicy(RollbackAudit):
     """The ``ideal`` mode: the guard with each removal and reader preemption filtered by
     the shadow KV, so exactly the entries whose KV is (or will be, once the dispatched
@@ -407,7 +424,7 @@ class IdealPolicy(RollbackAudit):
         self.kept_entries = 0
         self.kept_readers = 0
         self._prediction_key: tuple[int, int] | None = None
-        self._prediction: tuple[ShadowKV, set[int]] = (ShadowKV(self.block_size), set())
+        self._prediction: tuple[ShadowWorker, set[int]] = (driver.worker, set())
 
     def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
         if self.keeps(entry):
@@ -432,8 +449,9 @@ class IdealPolicy(RollbackAudit):
         self.kept_readers += len(keep)
         return super().preempting_readers(readers - keep)
 
-    def _final(self) -> tuple[ShadowKV, set[int]]:
-        """The KV once every dispatched step ran, and the blocks their loads leave invalid."""
+    def _final(self) -> tuple[ShadowWorker, set[int]]:
+        """The worker once every dispatched step ran (what its KV and state blocks then
+        hold), and the blocks their loads leave invalid."""
         driver = self.driver
         worker: ShadowWorker = driver.worker
         key = (worker.steps_executed, len(driver.in_flight))
@@ -445,21 +463,21 @@ class IdealPolicy(RollbackAudit):
             twin.kv.step = self._step_of.get(id(plan.output), -1)
             twin.execute(plan)
             invalid.update(b for load in plan.loads if load.fails for b in load.block_ids)
-        self._prediction_key, self._prediction = key, (twin.kv, invalid)
+        self._prediction_key, self._prediction = key, (twin, invalid)
         return self._prediction
 
     def valid_final(self, reg: Registration) -> bool:
-        kv, invalid = self._final()
+        final, invalid = self._final()
         if reg.step not in self._executed and reg.block_id in invalid:
             return False
-        return self.verdict(reg, kv, rolled_back=True) == VALID
+        return self.verdict(reg, final, rolled_back=True) == VALID
 
     def counts_wrong_kv(self, request_id: str) -> bool:
         """Whether a running request counts KV as computed that is (or will be) wrong."""
         model = self._model(request_id)
         if model is None:
             return True
-        slots = self._final()[0].slots
+        slots = self._final()[0].kv.slots
         size = self.block_size
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
         return any(

@@ -210,5 +210,36 @@ CONFIGS: dict[str, FuzzConfig] = {
             system_prompt_blocks=2,
             targeted=True,
         ),
+        FuzzConfig(
+            "hybrid-victim",
+            "a hybrid model (full attention + a Mamba state group in align mode): the "
+            "victim episodes, sync, with shared-prefix traffic around them",
+            _spec(num_blocks=24 + 16, policy="priority", mamba_align=True),
+            horizon=1000,
+            traffic=Traffic(arrival_rate=0.2, priority="random", prefix_blocks=(2, 6)),
+            victims=VictimEpisodes(),
+            system_prompt_blocks=4,
+        ),
+        FuzzConfig(
+            "hybrid-retry-async",
+            "a hybrid model, async: priority phases, n>1, resets, victim episodes, and "
+            "long prefills aborted in flight and retried at once (vLLM PR #56525's shape)",
+            _spec(num_blocks=48, policy="priority", async_scheduling=True, mamba_align=True),
+            depth=2,
+            horizon=800,
+            traffic=Traffic(
+                arrival_rate=0.5,
+                priority="phased",
+                prefix_blocks=(4, 12),
+                suffix_tokens=(16, 96),
+                n_prob=0.15,
+                abort_prob=0.15,
+                abort_delay=4,
+                retry_share=0.8,
+                reset_interval=100,
+            ),
+            victims=VictimEpisodes(gap=50),
+            system_prompt_blocks=2,
+        ),
     )
 }

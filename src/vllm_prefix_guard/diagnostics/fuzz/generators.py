@@ -86,6 +86,10 @@ class Traffic:
     # Probability a request is aborted, 0..abort_delay iterations after it arrives.
     abort_prob: float = 0.0
     abort_delay: int = 12
+    # Share of aborted requests sent again, under a new id, the iteration after the
+    # abort (a client's retry: the shape of vLLM PR #56525, where the retry hits the
+    # aborted request's entries while the step writing them may still be in flight).
+    retry_share: float = 0.0
     # Mean iterations between reset_prefix_cache calls (0: never); share with running=True.
     reset_interval: int = 0
     reset_running_share: float = 0.5
@@ -157,7 +161,12 @@ def random_traffic(
                     Arrive(step, request_id, prompt, max_tokens, priority, external, fails)
                 )
                 if rng.random() < traffic.abort_prob:
-                    events.append(Abort(step + rng.randint(0, traffic.abort_delay), request_id))
+                    aborted_at = step + rng.randint(0, traffic.abort_delay)
+                    events.append(Abort(aborted_at, request_id))
+                    if traffic.retry_share and rng.random() < traffic.retry_share:
+                        events.append(
+                            Arrive(aborted_at + 1, names.request(), prompt, max_tokens, priority)
+                        )
         if traffic.reset_interval and rng.random() < 1 / traffic.reset_interval:
             events.append(Reset(step, running=rng.random() < traffic.reset_running_share))
     return events
