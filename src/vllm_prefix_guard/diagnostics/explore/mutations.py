@@ -118,8 +118,8 @@ MUTATIONS: dict[str, RulesFactory] = {
 
 #: What each mutation (and stock, for the zombie) must be caught on: a small scope.
 MUTATION_SCOPES: dict[str, str] = {
-    "stock": "sync-priority",
-    "no-reader-rollback": "async-priority-fail",
+    "stock": "ci",
+    "no-reader-rollback": "sync-fcfs-recompute",
     "no-dropped-step-rollback": "async-fcfs-recompute",
     "no-recomputed-kept-rollback": "async-fcfs-recompute",
 }

@@ -122,6 +122,7 @@ class Scope:
 _P: Runs = ((100, 8),)
 _Q: Runs = ((100, 4), (300, 5))
 _R: Runs = ((100, 8), (200, 5))
+_S: Runs = ((100, 8), (200, 8))
 # The shared notes' zombie layout (``diagnostics.selftest``) at a quarter of the tokens,
 # block size 4 (the same block counts): D short, A long at low priority, B outranks A
 # while A is being scheduled, C is A again.
@@ -169,6 +170,19 @@ SCOPES: dict[str, Scope] = {
             arrivals="any",
             aborts=True,
             resets=True,
+        ),
+        Scope(
+            "sync-fcfs-recompute",
+            "sync FCFS: a remote prefix loaded while a sharer with the same prompt hits it "
+            "in the same step; the load fails on any subset of its blocks (policy "
+            "recompute); chunked prefill",
+            requests=(RequestSpec(_S, 2, external_tokens=12), RequestSpec(_S, 2)),
+            num_blocks=12,
+            long_prefill_token_threshold=4,
+            kv_load_failure_policy="recompute",
+            horizon=3,
+            arrivals="fixed",
+            arrivals_per_step=2,
         ),
         Scope(
             "async-fcfs-recompute",
