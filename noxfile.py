@@ -282,6 +282,26 @@ for _version in TESTED_VLLM:
             )
 
 
+@nox.session(python=False, default=False)
+def explore(session: nox.Session) -> None:
+    """The explorer's full default set of scopes (stock and guard lanes, vLLM 0.32): every
+    sequence of events within each scope; its table into docs/fuzzing.md. Fails if the
+    guard reads bad KV, its hits differ from clean stock's on a path, or a scope is not
+    explored completely. CI runs the small scope (tests/explore)."""
+    venv = vllm_venv(session, "0.32.0")
+    run_in(
+        session,
+        venv,
+        "python",
+        "-m",
+        "vllm_prefix_guard.cli",
+        "explore",
+        "--doc",
+        "docs/fuzzing.md",
+        *session.posargs,
+    )
+
+
 def soak_report_path(version: str) -> str:
     """Where a release's soak report goes; benchmarks/soak_report.py reads it from there."""
     return f"benchmarks/results/soak-vllm-{short(version)}.md"

@@ -4,6 +4,7 @@
            vLLM have every internal it needs (--self-test: run the known failure, stock vs
            guarded, on this very build)
   fuzz     randomised differential run (stock vs guard) against the installed vLLM
+  explore  bounded-exhaustive exploration: every sequence of events within small scopes
 
 Exit status: 0 everything passed; 1 a check failed (doctor) or a fuzz check failed;
 2 bad usage, or the guard cannot apply to this vLLM (fuzz).
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
     # fuzz has its own parser (diagnostics, imported only when it runs).
     sub.add_parser("fuzz", help="differential fuzzing against the installed vLLM", add_help=False)
+    sub.add_parser("explore", help="bounded-exhaustive exploration of the rules", add_help=False)
     return parser
 
 
@@ -69,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_prefix_guard.diagnostics.fuzz.cli import main as fuzz_main
 
         return fuzz_main(arguments[1:], reexec=argv is None)
+    if arguments[:1] == ["explore"]:
+        from vllm_prefix_guard.diagnostics.explore.cli import main as explore_main
+
+        return explore_main(arguments[1:], reexec=argv is None)
     args = build_parser().parse_args(arguments)
     result: int = args.func(args)
     return result

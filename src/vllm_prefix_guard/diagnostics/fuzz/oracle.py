@@ -103,6 +103,12 @@ class MeteredDriver(Driver):
         # request id -> its num_preemptions when last admitted.
         self._admitted: dict[str, int] = {}
 
+    @property
+    def admitted(self) -> dict[str, int]:
+        """Request id -> its ``num_preemptions`` when last admitted: whether its next
+        admission counts its hit (state a search must tell apart)."""
+        return self._admitted
+
     def schedule(self) -> Any:
         output = super().schedule()
         self.outputs.clear()

@@ -1,0 +1,125 @@
+"""The guard with one rule taken out: what the explorer must catch (its teeth).
+
+Each mutation is a subclass of the rules, attached the way the fuzzer attaches PR
+#43569's scope (``hooks.attach_guard``); the rules themselves are untouched. With the
+rule gone, a violation the rule prevents must be found within the mutation's scope
+(``MUTATION_SCOPES``); stock vLLM (the plugin undone) stands in for the priority
+preemption rule, whose absence is stock's zombie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from vllm_prefix_guard.rules.block_pool import StepCacheEntries
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+
+
+class ReadersKeepBadKV(FailedKVLoads):
+    """No reader of a failed load is preempted: requests that hit a block whose load
+    failed (or KV computed over it) keep it as computed (vLLM truncates only the first
+    holder of an invalid block)."""
+
+    def walk(
+        self,
+        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
+        invalid_block_ids: set[int],
+    ) -> None:
+        super().walk(steps, invalid_block_ids)
+        self.readers = set()
+
+
+class WithoutReaderRollback(UncommittedPrefixCache):
+    """The guard, minus the preemption of failed-load readers."""
+
+    def rollback_failed_loads(
+        self,
+        scheduler_output: SchedulerOutput,
+        invalid_block_ids: set[int],
+        running_req_ids: set[str],
+    ) -> FailedKVLoads:
+        rollback = ReadersKeepBadKV(self, running_req_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids)
+        return rollback
+
+
+class WithoutDroppedStepRollback(UncommittedPrefixCache):
+    """The guard, minus rule 2: a step whose output never came back keeps its entries
+    (committed as if it ran, when a later step commits)."""
+
+    def commit_step(self, scheduler_output: SchedulerOutput) -> None:
+        steps = self.steps_in_flight()
+        if not any(output is scheduler_output for output, _ in steps):
+            return  # an output schedule() did not produce commits nothing
+        for output, _ in steps:
+            super().commit_step(output)
+            if output is scheduler_output:
+                return
+
+
+class KeptEntriesStay(FailedKVLoads):
+    """``FailedKVLoads.walk`` without the rule the ``everything-async`` seed-17 soak
+    finding added: a reader's kept entries that a later step in flight computes again
+    from a lower token are no longer undone. The rest of ``walk`` is copied verbatim
+    (``tests/explore/test_mutations.py`` checks the copy against the original)."""
+
+    def walk(
+        self,
+        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
+        invalid_block_ids: set[int],
+    ) -> None:
+        self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
+        loaders = self._remove_loaders(steps[0][1], invalid_block_ids)
+        tainted = set(loaders)
+        kept: dict[str, StepCacheEntries] = {}
+        for index, (output, entries) in enumerate(steps):
+            admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
+            for req_id, block_ids, num_computed_tokens in admissions(output):
+                if index or req_id not in loaders:
+                    admitted[req_id] = (block_ids, num_computed_tokens)
+                    tainted.discard(req_id)
+                    kept.pop(req_id, None)
+            if index:
+                for req_id in [r for r in entries if r in tainted]:
+                    removed = self._remove_bad(req_id, entries.pop(req_id))
+                    if req_id in self.loaders:
+                        self.loaders[req_id].update(removed)
+            self._remove_readers(entries, admitted, tainted, kept)
+        self.readers = tainted - loaders
+        self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
+
+
+class WithoutRecomputedKeptRollback(UncommittedPrefixCache):
+    """The guard, minus the seed-17 rule (see :class:`KeptEntriesStay`)."""
+
+    def rollback_failed_loads(
+        self,
+        scheduler_output: SchedulerOutput,
+        invalid_block_ids: set[int],
+        running_req_ids: set[str],
+    ) -> FailedKVLoads:
+        rollback = KeptEntriesStay(self, running_req_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids)
+        return rollback
+
+
+RulesFactory = Callable[[Any], UncommittedPrefixCache]
+
+#: Mutation name -> the rules it runs instead of the guard's.
+MUTATIONS: dict[str, RulesFactory] = {
+    "no-reader-rollback": WithoutReaderRollback,
+    "no-dropped-step-rollback": WithoutDroppedStepRollback,
+    "no-recomputed-kept-rollback": WithoutRecomputedKeptRollback,
+}
+
+#: What each mutation (and stock, for the zombie) must be caught on: a small scope.
+MUTATION_SCOPES: dict[str, str] = {
+    "stock": "ci",
+    "no-reader-rollback": "sync-fcfs-recompute",
+    "no-dropped-step-rollback": "async-fcfs-recompute",
+    "no-recomputed-kept-rollback": "async-fcfs-recompute",
+}

@@ -1,0 +1,93 @@
+"""The explorer on the CI scope: complete, the guard clean, stock exposed, hits equal
+path by path; what it prints replays."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from vllm_prefix_guard import plugin
+from vllm_prefix_guard.diagnostics.explore.report import as_workload, reproducer
+from vllm_prefix_guard.diagnostics.explore.scope import CI_SCOPE, DEFAULT_SCOPES, SCOPES
+from vllm_prefix_guard.diagnostics.explore.search import SearchResult
+from vllm_prefix_guard.diagnostics.explore.system import (
+    Events,
+    Step,
+    drain,
+    plugin_restored,
+    replay,
+)
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+
+#: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
+Explore = Callable[[str, tuple[str, ...]], SearchResult]
+
+BOTH = ("stock", "guard")
+
+
+def test_ci_scope_explores_completely_in_under_two_minutes(explored: Explore) -> None:
+    started = time.monotonic()
+    result = explored(CI_SCOPE, BOTH)
+    assert time.monotonic() - started < 120
+    counters = result.counters
+    assert result.complete and counters["unfinished"] == counters["errors"] == 0
+    assert counters["states"] > 100 and counters["transitions"] >= counters["states"] - 1
+    assert counters["complete_paths"] > 0
+    # The zombie layout: stock reads a block that was never written; the guard never does.
+    assert result.violations("stock") > 0
+    assert result.violations("guard") == 0
+    kinds = result.shortest("violation", "stock").detail["counts"]  # type: ignore[union-attr]
+    assert kinds.get("never_written", 0) > 0
+
+
+def test_guard_hits_equal_stock_on_every_clean_path(explored: Explore) -> None:
+    result = explored(CI_SCOPE, BOTH)
+    assert result.counters["compared_paths"] > 0
+    assert result.of("hit_gap") == []
+
+
+def test_stock_lane_beside_the_guard_is_stock_alone(explored: Explore) -> None:
+    """The stock lane runs with the plugin applied (for the guarded lane beside it): its
+    violations are those of a stock-only exploration."""
+    paired = explored(CI_SCOPE, BOTH)
+    alone = explored(CI_SCOPE, ("stock",))
+    assert alone.complete
+    assert {f.path for f in alone.of("violation")} == {
+        f.path for f in paired.of("violation", "stock")
+    }
+
+
+def test_shortest_violation_replays_and_runs_as_a_workload(explored: Explore) -> None:
+    """The reproducer printed for stock's shortest violation reads bad KV when replayed
+    by the explorer and, as a fuzz workload, by the fuzz runner on its own."""
+    scope = SCOPES[CI_SCOPE]
+    finding = explored(CI_SCOPE, BOTH).shortest("violation", "stock")
+    assert finding is not None
+    with plugin_restored():
+        system = drain(replay(scope, finding.path, ("stock", "guard")))
+        assert system.lanes[0].bad_reads > 0 and system.lanes[1].bad_reads == 0
+    workload = as_workload(scope, finding.path)
+    assert workload is not None
+    assert run_workload(workload, "stock").violations > 0
+    assert run_workload(workload, "guard").violations == 0
+    source = reproducer(scope, finding)
+    namespace: dict[str, object] = {}
+    with plugin_restored():
+        exec(compile(source, "<reproducer>", "exec"), namespace)
+    assert namespace["system"].lanes[0].bad_reads > 0  # type: ignore[attr-defined]
+    assert not plugin.is_applied()
+
+
+def test_steps_are_named_by_event() -> None:
+    step = Step(Events((0, 1), "r0", True))
+    assert Step.from_json(step.to_json()) == step
+    assert step.describe() == "arrive r0, arrive r1, abort r0, reset"
+
+
+def test_default_set_covers_sync_async_policies_and_failure_policies() -> None:
+    scopes = [SCOPES[name] for name in DEFAULT_SCOPES]
+    assert {s.async_scheduling for s in scopes} == {False, True}
+    assert {s.policy for s in scopes} == {"fcfs", "priority"}
+    assert {s.kv_load_failure_policy for s in scopes} >= {"fail", "recompute"}
+    for scope in scopes:
+        assert scope.name in scope.describe() and "horizon" in scope.describe()
