@@ -96,6 +96,31 @@ def test_a_class_level_block_pool_stops_start_up(monkeypatch: pytest.MonkeyPatch
         plugin.apply()
 
 
+def test_state_group_pool_calls_are_all_reviewed() -> None:
+    """vLLM's MambaManager registers state blocks through the pool methods the mixin
+    overrides; doctor names the calls."""
+    calls = targets.check_state_groups()
+    assert {"cache_partial_block", "move_block_hashes", "_maybe_evict_cached_block"} <= set(calls)
+    [state] = [c for c in run_checks(self_test=False) if "MambaManager" in c.name]
+    assert state.status == "ok" and "cache_partial_block" in state.detail
+
+
+def test_an_unreviewed_state_group_pool_call_stops_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vLLM whose state-group manager reaches the pool some other way (here: writing
+    the hash index directly) could cache a state block behind the guard's back."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    def cache_blocks(self: Any, request: Any, num_tokens: int) -> None:
+        self.block_pool.cached_block_hash_to_block.insert(request, num_tokens)
+
+    monkeypatch.setattr(MambaManager, "cache_blocks", cache_blocks)
+    with pytest.raises(GuardUnsupportedError, match=r"BlockPool\.cached_block_hash_to_block"):
+        plugin.apply()
+    assert not plugin.is_applied()
+
+
 def test_a_constructor_wrapped_without_functools_wraps_still_passes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -92,12 +92,13 @@ def run_checks(self_test: bool) -> list[Check]:
     internals_ok = True
     for what, run in targets.all_checks():
         try:
-            run()
+            found = run()
         except Exception as exc:
             internals_ok = False
             checks.append(Check(f"internal {what}", FAIL, str(exc)))
         else:
-            checks.append(Check(f"internal {what}", OK, "present"))
+            detail = _state_groups(found) if run is targets.check_state_groups else "present"
+            checks.append(Check(f"internal {what}", OK, detail))
     if internals_ok and kvcached.active and not refused and kvcached.pool_class is not None:
         checks.append(_kvcached_pool_check(kvcached.pool_class, guard_on))
     if self_test:
@@ -107,6 +108,17 @@ def run_checks(self_test: bool) -> list[Check]:
         else:
             checks.append(_self_test())
     return checks
+
+
+def _state_groups(pool_calls: object) -> str:
+    """What ``doctor`` says of hybrid models' state groups."""
+    if not pool_calls:
+        return "no state-group manager in this vLLM"
+    return (
+        "hybrid models' state groups (Mamba, GDN and other linear attention, cached per "
+        "block in align mode) are guarded like attention: every pool call of vLLM's "
+        f"MambaManager is one the guard follows ({', '.join(pool_calls)})"  # type: ignore[arg-type]
+    )
 
 
 def _activation_checks() -> tuple[list[Check], bool]:

@@ -18,6 +18,7 @@ import dataclasses
 import dis
 import importlib
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -516,6 +517,72 @@ def check_coordinator_pool_class() -> Any:
     return built
 
 
+#: Everything vLLM's ``MambaManager`` (the state groups of hybrid models: Mamba, GDN and
+#: other linear-attention layers, whose per-block recurrent state is cached in ``align``
+#: mode) does to the pool, read from its bytecode, and why the guard stays exact with it.
+#: A pool method outside this list stops start-up: it could register, move or drop a
+#: state block's hash where the guard's records would not follow.
+STATE_GROUP_POOL_CALLS: dict[str, str] = {
+    "cache_partial_block": "registers a state block (the mixin records it, re-keys included)",
+    "move_block_hashes": "moves hashes to a copy-on-write block (the mixin follows moves)",
+    "_maybe_evict_cached_block": "drops a hash (vLLM's removal path: the index and events "
+    "follow, a record left behind is skipped as stale)",
+    "get_cached_block": "looks a prefix up",
+    "get_new_blocks": "allocates",
+    "free_blocks": "frees",
+    "is_block_writable": "reads a block's state",
+    "null_block": "the placeholder of a skipped state (never cached)",
+    "hash_block_size": "reads a setting",
+    "num_gpu_blocks": "reads a setting",
+    "num_hash_lookahead_tokens": "reads a setting",
+}
+STATE_GROUP_MANAGER = f"{SINGLE_TYPE_MANAGER}.MambaManager"
+
+
+def pool_calls(cls: type) -> frozenset[str]:
+    """The attributes ``cls``'s own methods use on a block pool (``self.block_pool.x``, or
+    ``block_pool.x`` on a parameter of that name), nested functions included."""
+    names: set[str] = set()
+
+    def scan(code: Any) -> None:
+        instructions = list(dis.get_instructions(code))
+        for op, following in itertools.pairwise(instructions):
+            if (
+                op.argval == "block_pool"
+                and op.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_FAST")
+                and following.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            ):
+                names.add(following.argval)
+        for const in code.co_consts:
+            if inspect.iscode(const):
+                scan(const)
+
+    for member in vars(cls).values():
+        function = getattr(member, "__func__", member)
+        code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+        if code is not None:
+            scan(code)
+    return frozenset(names)
+
+
+def check_state_groups() -> tuple[str, ...]:
+    """The pool calls of vLLM's state-group manager, all of them ones the guard follows
+    (:data:`STATE_GROUP_POOL_CALLS`); () when this vLLM has no such manager."""
+    try:
+        manager = resolve(SINGLE_TYPE_MANAGER, "MambaManager")
+    except (ImportError, AttributeError):
+        return ()
+    calls = pool_calls(manager)
+    unknown = sorted(calls - STATE_GROUP_POOL_CALLS.keys())
+    if unknown:
+        raise unsupported(
+            STATE_GROUP_MANAGER,
+            f"calls BlockPool.{', BlockPool.'.join(unknown)}, which the guard has not "
+            "reviewed for hybrid models' state blocks",
+        )
+    return tuple(sorted(calls))
+
+
 def all_checks() -> list[tuple[str, Callable[[], object]]]:
     """Every start-up check as ``(what it checks, run)``; ``run`` raises
     :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
@@ -523,6 +590,7 @@ def all_checks() -> list[tuple[str, Callable[[], object]]]:
         *((internal.qualname, partial(check, internal)) for internal in INTERNALS),
         (f"{COORDINATOR}.KVCacheCoordinator.block_pool", check_coordinator),
         (f"{COORDINATOR}.BlockPool", check_coordinator_pool_class),
+        (f"{STATE_GROUP_MANAGER} (pool calls)", check_state_groups),
     ]
 
 
