@@ -33,14 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from guard_demo.tiny_model import TINY_LLAMA, _write_tokenizer
+from guard_demo.tiny_model import TINY_LLAMA, write_checkpoint, write_tokenizer
 
 __all__ = [
     "TINY_HYBRID",
@@ -52,7 +50,6 @@ __all__ = [
 
 #: Bumped whenever the generator changes what it writes, so cached checkpoints are rebuilt.
 _GENERATOR_VERSION = 1
-_STAMP_FILE = "tiny_model_stamp.json"
 
 
 @dataclass(frozen=True)
@@ -116,42 +113,14 @@ def generate_tiny_hybrid_model(
     """
     if spec.mamba_num_heads * spec.mamba_head_dim != spec.expand * spec.hidden_size:
         raise ValueError("mamba_num_heads * mamba_head_dim must equal expand * hidden_size")
-    target = Path(path)
     stamp = {"generator_version": _GENERATOR_VERSION, "seed": seed, "spec": asdict(spec)}
-    if _read_stamp(target) == stamp:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    _write_config(staging, spec)
-    _write_weights(staging, spec, seed)
-    _write_tokenizer(staging, TINY_LLAMA)
-    (staging / _STAMP_FILE).write_text(json.dumps(stamp, sort_keys=True))
-    _replace_dir(staging, target)
-    return target
 
+    def write(staging: Path) -> None:
+        _write_config(staging, spec)
+        _write_weights(staging, spec, seed)
+        write_tokenizer(staging, TINY_LLAMA)
 
-def _read_stamp(target: Path) -> object:
-    try:
-        return json.loads((target / _STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``; only an empty directory or an earlier tiny checkpoint
-    (it has a stamp) is replaced."""
-    if target.exists() and any(target.iterdir()) and not (target / _STAMP_FILE).exists():
-        shutil.rmtree(staging, ignore_errors=True)
-        raise FileExistsError(f"{target} exists and is not a tiny model; not overwriting it")
-    if target.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
-        target.rename(trash / target.name)
-        shutil.rmtree(trash, ignore_errors=True)
-    try:
-        staging.rename(target)
-    except OSError:
-        # Another process won the race and wrote an identical checkpoint.
-        shutil.rmtree(staging, ignore_errors=True)
+    return write_checkpoint(Path(path), stamp, write)
 
 
 def _write_config(out: Path, spec: TinyHybridSpec) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ __all__ = [
     "default_model_dir",
     "generate_tiny_model",
     "weights_digest",
+    "write_checkpoint",
+    "write_tokenizer",
 ]
 
 #: Bumped whenever the generator changes what it writes, so cached checkpoints are rebuilt.
@@ -91,15 +94,24 @@ def generate_tiny_model(
     Returns:
         ``path`` as a :class:`~pathlib.Path`, ready for ``LLM(model=...)`` or ``vllm serve``.
     """
-    target = Path(path)
-    stamp = _stamp(spec, seed)
+
+    def write(staging: Path) -> None:
+        _write_config(staging, spec)
+        _write_weights(staging, spec, seed)
+        write_tokenizer(staging, spec)
+
+    return write_checkpoint(Path(path), _stamp(spec, seed), write)
+
+
+def write_checkpoint(target: Path, stamp: object, write: Callable[[Path], None]) -> Path:
+    """``target`` as ``write`` fills it, unless it already holds a checkpoint stamped
+    ``stamp``: written into a staging directory beside it, stamped, then renamed into place
+    (so a reader never sees half a checkpoint, and two processes racing write one)."""
     if _read_stamp(target) == stamp:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    _write_config(staging, spec)
-    _write_weights(staging, spec, seed)
-    _write_tokenizer(staging, spec)
+    write(staging)
     (staging / _STAMP_FILE).write_text(json.dumps(stamp, sort_keys=True))
     _replace_dir(staging, target)
     return target
@@ -193,7 +205,7 @@ def _write_weights(out: Path, spec: TinyLlamaSpec, seed: int) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
+def write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
     """A byte-level BPE tokenizer with exactly ``spec.vocab_size`` tokens.
 
     The vocabulary is the 256 byte symbols, then fixed merges (space + letter, then letter pairs
