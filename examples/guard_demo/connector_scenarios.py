@@ -33,20 +33,19 @@ Run ``python -m guard_demo.connector_scenarios`` for the table of measured numbe
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, compare_completions
+from guard_demo.in_process import in_process_engine
 from guard_demo.workload import PROMPT_VOCAB, WorkItem
 
 __all__ = [
@@ -158,30 +157,6 @@ def failing_transfer_config(
             **extra,
         },
     }
-
-
-@contextlib.contextmanager
-def in_process_engine(args: Any) -> Iterator[Any]:
-    """An ``LLMEngine`` whose EngineCore (and worker) run in this process."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        engine = LLMEngine.from_engine_args(args)
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
-    try:
-        yield engine
-    finally:
-        engine.engine_core.shutdown()
-        del engine
-        gc.collect()
-        cleanup_dist_env_and_memory()
 
 
 def _params() -> Any:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, find_mismatches
+from guard_demo.in_process import in_process_engine
 from guard_demo.workload import PROMPT_VOCAB
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 
@@ -208,18 +208,9 @@ def run_scenario(
 def _engine(
     model: Path, prefix_caching: bool, extra_engine_args: Mapping[str, Any] | None
 ) -> Iterator[Any]:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    from vllm.v1.engine.llm_engine import LLMEngine
-
     spec = replace(LAYOUT, enable_prefix_caching=prefix_caching)
-    engine = LLMEngine.from_engine_args(engine_args(model, spec, extra_engine_args))
-    try:
+    with in_process_engine(engine_args(model, spec, extra_engine_args)) as engine:
         yield engine
-    finally:
-        engine.engine_core.shutdown()
-        del engine
-        gc.collect()
-        cleanup_dist_env_and_memory()
 
 
 def _trace_preemptions(scheduler: Any, preempted: list[set[str]]) -> None:

@@ -16,10 +16,7 @@ than a block asks for in align mode (vLLM PR #54505), so chunks are one block
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from typing import Any
 import pytest
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, compare_completions
+from guard_demo.in_process import in_process_engine
 from guard_demo.tiny_hybrid_model import generate_tiny_hybrid_model
 
 pytestmark = pytest.mark.e2e
@@ -49,13 +47,10 @@ class HybridRun:
     guard_counters: dict[str, int] | None = None
 
 
-@contextlib.contextmanager
-def _engine(model: Path, prefix_caching: bool) -> Iterator[Any]:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+def _engine_args(model: Path, prefix_caching: bool) -> Any:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
 
-    args = EngineArgs(
+    return EngineArgs(
         model=str(model),
         dtype="float32",
         seed=0,
@@ -66,14 +61,6 @@ def _engine(model: Path, prefix_caching: bool) -> Iterator[Any]:
         max_num_batched_tokens=BLOCK_SIZE,
         enable_prefix_caching=prefix_caching,
     )
-    engine = LLMEngine.from_engine_args(args)
-    try:
-        yield engine
-    finally:
-        engine.engine_core.shutdown()
-        del engine
-        gc.collect()
-        cleanup_dist_env_and_memory()
 
 
 def _run(model: Path, prefix_caching: bool) -> HybridRun:
@@ -83,7 +70,7 @@ def _run(model: Path, prefix_caching: bool) -> HybridRun:
 
     run = HybridRun()
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=TOP_LOGPROBS, ignore_eos=True)
-    with _engine(model, prefix_caching) as engine:
+    with in_process_engine(_engine_args(model, prefix_caching)) as engine:
         scheduler = engine.engine_core.engine_core.scheduler
         run.groups = [
             (type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "mamba_cache_mode", None))
