@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, find_mismatches
-from guard_demo.in_process import in_process_engine
+from guard_demo.in_process import in_process_engine, reference_stock_guarded
 from guard_demo.workload import PROMPT_VOCAB
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 
@@ -435,28 +435,12 @@ def prove(
     ``VLLM_PREFIX_GUARD=1``). The guard is off again when this returns."""
     import time
 
-    from vllm_prefix_guard import plugin
-
     started = time.monotonic()
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PREFIX_GUARD")}
-    # Keep the EngineCore in this process, so its scheduler can be observed and so that the
-    # guard applied here is the guard the engine runs.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.pop("VLLM_PREFIX_GUARD", None)
-    try:
-        plugin.undo()
-        reference = run_scenario(model, prefix_caching=False, extra_engine_args=extra_engine_args)
-        stock = run_scenario(model, prefix_caching=True, extra_engine_args=extra_engine_args)
-        os.environ["VLLM_PREFIX_GUARD"] = "1"
-        plugin.register()
-        guarded = run_scenario(model, prefix_caching=True, extra_engine_args=extra_engine_args)
-    finally:
-        plugin.undo()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    reference, stock, guarded = reference_stock_guarded(
+        lambda prefix_caching: run_scenario(
+            model, prefix_caching=prefix_caching, extra_engine_args=extra_engine_args
+        )
+    )
     return EngineProof(reference, stock, guarded, atol, time.monotonic() - started)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -32,3 +34,32 @@ def in_process_engine(args: Any) -> Iterator[Any]:
         del engine
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def reference_stock_guarded(run: Callable[[bool], T]) -> tuple[T, T, T]:
+    """``run(prefix_caching)`` three times, one engine after another, each EngineCore in
+    this process (so its scheduler can be observed, and the guard applied here is the one
+    it runs): no prefix caching, stock prefix caching, and prefix caching with the guard
+    applied as vLLM applies it (``register()`` with ``VLLM_PREFIX_GUARD=1``). The guard is
+    off and the environment as it was when this returns."""
+    from vllm_prefix_guard import plugin
+
+    names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PREFIX_GUARD")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("VLLM_PREFIX_GUARD", None)
+    try:
+        plugin.undo()
+        reference = run(False)
+        stock = run(True)
+        os.environ["VLLM_PREFIX_GUARD"] = "1"
+        plugin.register()
+        guarded = run(True)
+    finally:
+        plugin.undo()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return reference, stock, guarded

@@ -16,15 +16,15 @@ than a block asks for in align mode (vLLM PR #54505), so chunks are one block
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, compare_completions
-from guard_demo.in_process import in_process_engine
+from guard_demo.in_process import in_process_engine, reference_stock_guarded
 from guard_demo.tiny_hybrid_model import generate_tiny_hybrid_model
 
 pytestmark = pytest.mark.e2e
@@ -91,26 +91,8 @@ def _run(model: Path, prefix_caching: bool) -> HybridRun:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HybridRun]:
-    from vllm_prefix_guard import plugin
-
     model = generate_tiny_hybrid_model(tmp_path_factory.mktemp("tiny-hybrid"))
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_PREFIX_GUARD")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.pop("VLLM_PREFIX_GUARD", None)
-    try:
-        plugin.undo()
-        reference = _run(model, prefix_caching=False)
-        stock = _run(model, prefix_caching=True)
-        os.environ["VLLM_PREFIX_GUARD"] = "1"
-        plugin.register()
-        guarded = _run(model, prefix_caching=True)
-    finally:
-        plugin.undo()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    reference, stock, guarded = reference_stock_guarded(partial(_run, model))
     return {"reference": reference, "stock": stock, "guarded": guarded}
 
 
