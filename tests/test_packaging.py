@@ -66,6 +66,20 @@ DIAGNOSTICS = {
             "workload",
         )
     ),
+    *(
+        f"diagnostics/explore/{name}"
+        for name in (
+            "__init__",
+            "cli",
+            "digest",
+            "mutations",
+            "report",
+            "scope",
+            "search",
+            "system",
+            "visited",
+        )
+    ),
 }
 
 
