@@ -21,7 +21,11 @@ from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult, run_workload
 
 #: (configuration, seed): what the soak found; the soak's horizon is 5x the CI one.
-FOUND_BY_SOAK = [("everything-async", 17)]
+#: ``hybrid-retry-async`` seed 9 (vLLM 0.33, found 2026-12-03): the audit counted a
+#: preempted request's state entry as valid KV rolled back; the block held the right state
+#: only because its earlier tenant had left it there (state blocks are not zeroed), which
+#: the audit now tells apart (leftover), as it does for attention KV.
+FOUND_BY_SOAK = [("everything-async", 17), ("hybrid-retry-async", 9)]
 SOAK_HORIZON_FACTOR = 5
 
 

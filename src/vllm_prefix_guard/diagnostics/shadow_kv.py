@@ -262,6 +262,9 @@ class ShadowState:
     held: dict[int, int] = field(default_factory=dict)
     # request_id -> position of the block its last step wrote
     last_written: dict[str, int] = field(default_factory=dict)
+    # block_id -> the step that last wrote it (the audit tells bytes a block's earlier
+    # tenant left from a write of the current one)
+    written_at: dict[int, int] = field(default_factory=dict)
     # Steps that started from a state another request wrote (a prefix hit), all checked.
     resumed_from_hits: int = 0
 
@@ -286,14 +289,16 @@ class ShadowState:
         held = None if block_id is None else self.held.get(block_id)
         return block_id, held, held == read.model.fingerprint(start - 1)
 
-    def write(self, read: ScheduledRead, poison: bool) -> None:
-        """The state after ``read``'s last token, into the block for that position."""
+    def write(self, read: ScheduledRead, poison: bool, step: int) -> None:
+        """The state after ``read``'s last token, into the block for that position, by the
+        step numbered ``step``."""
         end = read.start + read.num_tokens
         position = -(-end // self.block_size) - 1
         block_id = read.state_block_ids[self.index][position]
         assert block_id is not None, "vLLM gave the step's state no block"
         fingerprint = read.model.fingerprint(end - 1)
         self.held[block_id] = poisoned(fingerprint) if poison else fingerprint
+        self.written_at[block_id] = step
         self.last_written[read.request_id] = position
 
 
@@ -350,7 +355,12 @@ class ShadowWorker:
         twin.kv.versions = dict(self.kv.versions)
         twin.kv.written_at = {block: list(at) for block, at in self.kv.written_at.items()}
         twin.states = [
-            replace(state, held=dict(state.held), last_written=dict(state.last_written))
+            replace(
+                state,
+                held=dict(state.held),
+                last_written=dict(state.last_written),
+                written_at=dict(state.written_at),
+            )
             for state in self.states
         ]
         twin.models = self.models
@@ -484,7 +494,7 @@ class ShadowWorker:
                     self.kv.check_reads(step, read, known_failed)
         for state in self.states:
             for read in plan.reads:
-                state.write(read, poison=read.request_id in tainted)
+                state.write(read, poison=read.request_id in tainted, step=step)
         req_ids = [read.request_id for read in plan.reads]
         sampled = [
             [read.model.token(read.start + read.num_tokens)] if read.samples else []

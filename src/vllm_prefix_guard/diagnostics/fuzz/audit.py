@@ -42,7 +42,7 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import get_group_id
 
-from vllm_prefix_guard.diagnostics.shadow_kv import ShadowWorker, TokenModel
+from vllm_prefix_guard.diagnostics.shadow_kv import ShadowState, ShadowWorker, TokenModel
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
@@ -340,7 +340,7 @@ class RollbackAudit(UncommittedPrefixCache):
         if worker.states:
             state = worker.state_of_group(get_group_id(reg.key))
             if state is not None:
-                return state_verdict(state.held.get(reg.block_id), reg)
+                return state_verdict(state, reg, rolled_back)
         kv = worker.kv
         held = kv.slots.get(reg.block_id)
         if held is None:
@@ -400,13 +400,20 @@ class AuditedFailedKVLoads(FailedKVLoads):
         return super()._remove_bad(req_id, entries)
 
 
-def state_verdict(held: int | None, reg: Registration) -> str:
+def state_verdict(state: ShadowState, reg: Registration, rolled_back: bool) -> str:
     """A state group's entry: its block must hold the state after the prefix its key
-    names (a state block is one snapshot, not per-token slots)."""
+    names (a state block is one snapshot, not per-token slots); for a rollback, written
+    by the registering request's current tenancy (state blocks are not zeroed, so an
+    earlier tenant's state for the same prefix can sit there: leftover bytes)."""
     assert reg.model is not None
+    held = state.held.get(reg.block_id)
     if held is None:
         return NEVER_WRITTEN
-    return VALID if held == reg.model.fingerprint(reg.num_tokens - 1) else WRONG
+    if held != reg.model.fingerprint(reg.num_tokens - 1):
+        return WRONG
+    if rolled_back and state.written_at[reg.block_id] < reg.admitted:
+        return LEFTOVER
+    return VALID
 
 
 class IdealPolicy(RollbackAudit):
