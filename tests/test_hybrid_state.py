@@ -15,11 +15,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from layouts import HYBRID_WRONG_STATE_0_33
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, expand
-from vllm_prefix_guard.diagnostics.shadow_kv import STATE_NEVER_WRITTEN, Driver
+from vllm_prefix_guard.diagnostics.shadow_kv import (
+    STATE_NEVER_WRITTEN,
+    STATE_WRONG_CONTENT,
+    Driver,
+)
 
 PROMPT = list(range(1, 161))  # ten 16-token blocks: prefilled in 64-token chunks
 
@@ -137,3 +145,17 @@ def test_preemption_leaves_no_never_written_state_cached(mode: str) -> None:
         assert any(per_seed), per_seed
     else:
         assert not any(per_seed), per_seed
+
+
+def test_no_resume_from_a_wrong_state(mode: str) -> None:
+    """The 0.33 soak's stock finding on ``hybrid-victim``'s episodes, shrunk: r27 (an n>1
+    twin of r26) starts from a state block that holds another prefix's state. Stock vLLM
+    0.33 reads it; the guard reads no wrong state. On other releases the shrunk schedule
+    need not reach the window, so stock's side is asserted where it does."""
+    result = run_workload(HYBRID_WRONG_STATE_0_33, "stock" if mode == "native" else mode)
+    if mode == "stock":
+        if not result.bad_state_reads:
+            pytest.skip("this shrunk schedule reaches the window on vLLM 0.33's scheduler only")
+        assert any(kind == STATE_WRONG_CONTENT for *_, kind in result.examples)
+    else:
+        assert result.violations == 0, result.examples[:5]
