@@ -16,10 +16,9 @@ from vllm_prefix_guard.diagnostics.explore.system import (
     Events,
     Step,
     drain,
-    plugin_restored,
     replay,
 )
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.fuzz.runner import plugin_restored, run_workload
 
 #: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]

@@ -37,9 +37,9 @@ from vllm_prefix_guard.diagnostics.explore.system import (
     Path,
     Step,
     System,
-    plugin_restored,
 )
 from vllm_prefix_guard.diagnostics.explore.visited import VisitedTable
+from vllm_prefix_guard.diagnostics.fuzz.runner import plugin_restored
 
 T = TypeVar("T")
 

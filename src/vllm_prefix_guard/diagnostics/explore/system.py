@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,19 +270,6 @@ class Lane:
             self.released,
             self.unchecked_hits,
         )
-
-
-@contextmanager
-def plugin_restored() -> Iterator[None]:
-    """Whatever the lanes' construction does to the plugin, restore it afterwards."""
-    was_applied = plugin.is_applied()
-    try:
-        yield
-    finally:
-        if was_applied:
-            plugin.apply()
-        else:
-            plugin.undo()
 
 
 def build_lane(scope: Scope, mode: str) -> Lane:

@@ -126,6 +126,19 @@ class RunResult:
 
 
 @contextmanager
+def plugin_restored() -> Iterator[None]:
+    """Whatever the body does to the plugin, the process has it as before afterwards."""
+    was_applied = plugin.is_applied()
+    try:
+        yield
+    finally:
+        if was_applied:
+            plugin.apply()
+        else:
+            plugin.undo()
+
+
+@contextmanager
 def guard_state(on: bool) -> Iterator[None]:
     """Apply or undo the guard for the duration; restore what the process had.
 
@@ -134,18 +147,12 @@ def guard_state(on: bool) -> Iterator[None]:
     nothing when the installed vLLM already ships an equivalent fix: "guard" then
     measures that build.)
     """
-    was_applied = plugin.is_applied()
-    if on:
-        plugin.apply()
-    else:
-        plugin.undo()
-    try:
-        yield
-    finally:
-        if was_applied:
+    with plugin_restored():
+        if on:
             plugin.apply()
         else:
             plugin.undo()
+        yield
 
 
 def run_workload(
