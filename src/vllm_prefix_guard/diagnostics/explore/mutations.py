@@ -33,8 +33,11 @@ class ReadersKeepBadKV(FailedKVLoads):
         self.readers = set()
 
 
-class WithoutReaderRollback(UncommittedPrefixCache):
-    """The guard, minus the preemption of failed-load readers."""
+class OtherFailedLoadWalk(UncommittedPrefixCache):
+    """The guard with its failed-load rollback run by ``walk_class`` (a mutation of
+    ``FailedKVLoads``); the body is the rules' own ``rollback_failed_loads``."""
+
+    walk_class: type[FailedKVLoads] = FailedKVLoads
 
     def rollback_failed_loads(
         self,
@@ -42,9 +45,15 @@ class WithoutReaderRollback(UncommittedPrefixCache):
         invalid_block_ids: set[int],
         running_req_ids: set[str],
     ) -> FailedKVLoads:
-        rollback = ReadersKeepBadKV(self, running_req_ids)
+        rollback = self.walk_class(self, running_req_ids)
         rollback.roll_back(scheduler_output, invalid_block_ids)
         return rollback
+
+
+class WithoutReaderRollback(OtherFailedLoadWalk):
+    """The guard, minus the preemption of failed-load readers."""
+
+    walk_class = ReadersKeepBadKV
 
 
 class WithoutDroppedStepRollback(UncommittedPrefixCache):
@@ -93,18 +102,10 @@ class KeptEntriesStay(FailedKVLoads):
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 
 
-class WithoutRecomputedKeptRollback(UncommittedPrefixCache):
+class WithoutRecomputedKeptRollback(OtherFailedLoadWalk):
     """The guard, minus the seed-17 rule (see :class:`KeptEntriesStay`)."""
 
-    def rollback_failed_loads(
-        self,
-        scheduler_output: SchedulerOutput,
-        invalid_block_ids: set[int],
-        running_req_ids: set[str],
-    ) -> FailedKVLoads:
-        rollback = KeptEntriesStay(self, running_req_ids)
-        rollback.roll_back(scheduler_output, invalid_block_ids)
-        return rollback
+    walk_class = KeptEntriesStay
 
 
 RulesFactory = Callable[[Any], UncommittedPrefixCache]
