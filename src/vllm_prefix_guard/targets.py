@@ -540,8 +540,9 @@ STATE_GROUP_MANAGER = f"{SINGLE_TYPE_MANAGER}.MambaManager"
 
 
 def pool_calls(cls: type) -> frozenset[str]:
-    """The attributes ``cls``'s own methods use on a block pool (``self.block_pool.x``, or
-    ``block_pool.x`` on a parameter of that name), nested functions included."""
+    """The attributes ``cls``'s own methods and property getters use on a block pool
+    (``self.block_pool.x``, or ``block_pool.x`` on a parameter of that name), nested
+    functions included."""
     names: set[str] = set()
 
     def scan(code: Any) -> None:
@@ -558,7 +559,8 @@ def pool_calls(cls: type) -> frozenset[str]:
                 scan(const)
 
     for member in vars(cls).values():
-        function = getattr(member, "__func__", member)
+        function = member.fget if isinstance(member, property) else member
+        function = getattr(function, "__func__", function)
         code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
         if code is not None:
             scan(code)
