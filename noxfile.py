@@ -423,9 +423,9 @@ def _upstream(session: nox.Session, checks: str, *options: str) -> None:
 @nox.session(python=False)
 def upstream(session: nox.Session) -> None:
     """The upstream series' proof in CI: every check of ``upstream-full``, the fuzz on one
-    seed per configuration instead of three and vLLM's own tests on the whole series only
-    (not on each prefix)."""
-    _upstream(session, "a,b,c,d", "--seeds", "1", "--suite-on-series-only")
+    seed per configuration instead of three, the explorer on its CI scope instead of its
+    default set, and vLLM's own tests on the whole series only (not on each prefix)."""
+    _upstream(session, "a,b,c,d", "--seeds", "1", "--suite-on-series-only", "--explore-scope", "ci")
 
 
 @nox.session(name="upstream-full", python=False, default=False)

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload
 from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 
@@ -272,5 +272,32 @@ HYBRID_WRONG_STATE_0_33 = Workload(
         Arrive(95, "r40", prompt=((1000, 64),), max_tokens=14),
         Arrive(99, "r41", prompt=((1000, 64), (7000, 71), (36000, 17)), max_tokens=16),
         Arrive(109, "r42", prompt=((1000, 64), (22000, 79), (37000, 37)), max_tokens=1, priority=1),
+    ),
+)
+
+
+#: Two partial failed loads (``kv-load-partial``'s shape, found by a random search over
+#: small workloads, vLLM 0.32): r2's load fails on its first block only and r2 is aborted;
+#: the block that loaded fine keeps its entry. r1 loads the same prefix again, failing on
+#: its second block, and computes its next block over it; r0, admitted in that same step,
+#: hits r1's first block, r2's kept block and r1's computed one.
+PARTIAL_FAILED_LOADS = Workload(
+    spec=SchedulerSpec(
+        block_size=4,
+        num_blocks=10,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        max_model_len=64,
+        long_prefill_token_threshold=8,
+        async_scheduling=True,
+        kv_load_failure_policy="recompute",
+    ),
+    depth=2,
+    events=(
+        Arrive(1, "r2", ((200, 12), (1002, 5)), 3, 1, 8, True, (0,)),
+        Abort(1, "r2"),
+        Arrive(2, "r1", ((200, 12), (1001, 4)), 3, 1, 8, True, (1,)),
+        Arrive(3, "r0", ((200, 12), (1000, 6)), 1, 0, 4, True),
+        Arrive(3, "r3", ((100, 4), (1003, 4)), 1),
     ),
 )

@@ -14,6 +14,7 @@ import pytest
 
 from layouts import (
     FAILED_LOAD_PROMPT,
+    PARTIAL_FAILED_LOADS,
     failed_load_two_in_flight,
     failed_sync_load,
     shrunk_async_priority,
@@ -251,3 +252,17 @@ def test_sharer_of_a_failed_sync_load_is_preempted_by_the_guard(
     assert scheduler_guard is not None and scheduler_guard.is_idle
     assert scheduler_guard.stats.dependents_preempted == 1
     assert scheduler_guard.stats.rolled_back_kv_load_failure == 5
+
+
+def test_partial_failed_loads_read_no_bad_kv(mode: str) -> None:
+    """Loads that fail on some blocks only (``layouts.PARTIAL_FAILED_LOADS``): the guard
+    keeps the entries of blocks that loaded fine, and no request reads bad KV through
+    them. r0's hit in the step where r1's load fails runs through r2's kept block into the
+    block r1 computes over its failed one: like a same-step sharer of the failed block
+    itself, that read is the failing step's known loss (the scheduler could not know),
+    and r0 is preempted to recompute. Stock reads bad KV later, from entries it keeps."""
+    result = run_workload(PARTIAL_FAILED_LOADS, mode)
+    if mode == "stock":
+        assert result.violations > 0
+    else:
+        assert result.violations == 0, result.examples[:5]

@@ -205,8 +205,33 @@ from vllm.v1.core.sched.uncommitted import UncommittedPrefixCache
 )
 
 #: Part 2, failed KV loads: roll back before vLLM handles the failure (which may free
-#: the requests involved), preempt the readers of bad KV before the step's stats.
+#: the requests involved), preempt the readers of bad KV before the step's stats; the
+#: pool caches a loader's recomputed blocks around those that loaded fine.
 FAILED_KV_LOADS: tuple[Edit, ...] = (
+    Edit(
+        BLOCK_POOL,
+        """        if num_cached_blocks >= num_full_blocks:
+            return
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+""",
+        """        if num_cached_blocks >= num_full_blocks:
+            return
+        runs = self.runs_to_cache(
+            blocks, num_cached_blocks, num_full_blocks, block_size
+        )
+        if runs is not None:
+            # Around the blocks a failed KV load's rollback kept.
+            for start, end in runs:
+                mask = block_mask
+                if mask is not None:
+                    mask = mask[start - num_cached_blocks : end - num_cached_blocks]
+                self.cache_full_blocks(
+                    request, blocks, start, end, block_size, kv_cache_group_id, mask
+                )
+            return
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+""",
+    ),
     Edit(
         SCHEDULER,
         """from vllm.v1.core.kv_cache_utils import KVCacheBlock

@@ -8,7 +8,8 @@ parts 1-2, ...), each with every part's vLLM-style tests added where vLLM keeps 
 
 a. each part's tests fail on the tree before it and pass on every tree with it;
 b. judged by the shadow-KV oracle, with ``VLLM_PREFIX_GUARD=0``: on the whole series the
-   project's regression tests pass, the fuzzer reads no bad KV in any configuration,
+   project's regression tests pass, the explorer finds no bad read in any sequence of
+   events within each scope's bounds, the fuzzer reads no bad KV in any configuration,
    with hit tokens, preemptions, computed tokens and steps equal to the guard's on
    unpatched vLLM (same seeds), and a consumer replayed from its KV events matches the
    prefix cache after every step; parts 1-2 read no bad KV either (their event
@@ -28,6 +29,7 @@ the Python of the vLLM 0.33.0 venv, from anywhere.
 Usage:
     python upstream/check.py --vllm-tests DIR --work DIR --out upstream/results.json
         [--seeds 3] [--selection ci] [--only a,b,c,d] [--suite-on-series-only]
+        [--explore-scope NAME ...]
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm_suite"))
 import tree  # noqa: E402
 from hub_cache import write_hub_cache  # noqa: E402
 from run_vllm_suite import FAILED, compare  # noqa: E402
+
+from vllm_prefix_guard.diagnostics.explore.scope import DEFAULT_SCOPES  # noqa: E402
 
 #: The project's regression tests of the rollback rules: each shows bad KV on stock and
 #: none guarded; on the whole series they run once, as ``native`` (tests/native_fix.py).
@@ -231,6 +235,22 @@ def fuzz(tree_dir: Path | None, modes: str, seeds: int, env: dict, work: Path, n
     return {c["name"]: c for c in document["configs"]}
 
 
+def explore(
+    tree_dir: Path, scopes: list[str], env: dict, work: Path, name: str
+) -> list[dict[str, Any]]:
+    """``vllm-prefix-guard explore`` on a patched tree, its stock lane being the patch (guard
+    off): each scope's figures, every sequence of events within its bounds."""
+    out = work / f"{name}.json"
+    out.unlink(missing_ok=True)
+    command = Path(sys.executable).parent / "vllm-prefix-guard"
+    cmd = [str(command), "explore", "--modes", "stock", "--json", str(out)]
+    for scope in scopes:
+        cmd += ["--scope", scope]
+    with open(work / f"{name}.log", "w") as log:
+        subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
+    return json.loads(out.read_text())["scopes"] if out.exists() else []
+
+
 def figures(config: dict, mode: str) -> dict[str, int]:
     run_ = config["modes"][mode]
     keys = ("violations", "hit_tokens", "invalid_hit_tokens", "preemptions", "computed_tokens")
@@ -238,8 +258,11 @@ def figures(config: dict, mode: str) -> dict[str, int]:
     return {k: run_[k] for k in (*keys, "steps", *events)}
 
 
-def check_b(trees: dict[str, Path], env: Env, work: Path, seeds: int) -> dict[str, Any]:
-    """Each prefix alone, judged by the oracle, against the guard's figures."""
+def check_b(
+    trees: dict[str, Path], env: Env, work: Path, seeds: int, explore_scopes: list[str]
+) -> dict[str, Any]:
+    """Each prefix alone, judged by the oracle, against the guard's figures; the whole
+    series explored within the explorer's bounds."""
     from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 
     whole = trees[SERIES]
@@ -248,6 +271,7 @@ def check_b(trees: dict[str, Path], env: Env, work: Path, seeds: int) -> dict[st
         "regression": partial(
             pytest, whole, ROOT, list(REGRESSION_TESTS), env(whole), work, "b-regression"
         ),
+        "explore": partial(explore, whole, explore_scopes, env(whole), work, "b-explore"),
         UNPATCHED: partial(
             fuzz, None, "stock,guard,pr43569", seeds, env(None), work, "b-fuzz-unpatched"
         ),
@@ -258,6 +282,10 @@ def check_b(trees: dict[str, Path], env: Env, work: Path, seeds: int) -> dict[st
         )
     done = in_parallel(jobs)
     rc, outcomes = done.pop("regression")
+    explored = done.pop("explore")
+    explore_ok = len(explored) == len(explore_scopes) and all(
+        scope["complete"] and scope["violations"]["stock"] == 0 for scope in explored
+    )
     regression_ok = rc == 0 and any(o == "passed" for o in outcomes.values())
     skipped = sorted(k for k, o in outcomes.items() if o.startswith("skipped"))
     reference = done.pop(UNPATCHED)
@@ -284,7 +312,8 @@ def check_b(trees: dict[str, Path], env: Env, work: Path, seeds: int) -> dict[st
             "failed": sorted(k for k, o in outcomes.items() if o.startswith(("failed", "error"))),
         },
         "fuzz": configs,
-        "ok": regression_ok and all(c["ok"] for c in configs.values()),
+        "explore": {"scopes": explored, "ok": explore_ok},
+        "ok": regression_ok and explore_ok and all(c["ok"] for c in configs.values()),
     }
 
 
@@ -526,6 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="fuzz seeds per configuration")
     parser.add_argument("--selection", default="ci", help="tests/vllm_suite selection")
     parser.add_argument(
+        "--explore-scope",
+        action="append",
+        help="scope the series is explored on (repeatable; default: the explorer's default set)",
+    )
+    parser.add_argument(
         "--reuse-unpatched-suite",
         type=Path,
         help="a run_vllm_suite.py --out directory whose stock run check c may reuse",
@@ -565,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, int] = {}
     for name, check in (
         ("a", lambda: check_a(trees, env, work)),
-        ("b", lambda: check_b(trees, env, work, args.seeds)),
+        ("b", lambda: check_b(trees, env, work, args.seeds, args.explore_scope or DEFAULT_SCOPES)),
         # vLLM's own tests: "c" is the selection CI runs, "c:<name>" any other.
         (
             "c" if args.selection == "ci" else f"c:{args.selection}",

@@ -149,6 +149,13 @@ PARTS: tuple[Part, ...] = (
             NewModule("failed_kv_loads"),
             NewModule("uncommitted"),
             Methods(
+                "block_pool",
+                "BlockPoolAdditions",
+                ("runs_to_cache",),
+                "BlockPool",
+                "cache_full_blocks",
+            ),
+            Methods(
                 "kv_cache_manager",
                 "CachedBlockRewind",
                 ("rewind_num_cached_blocks",),

@@ -160,7 +160,7 @@ POOL_INTERNALS: tuple[Internal, ...] = (
     _callable(BLOCK_POOL, "BlockHashToBlockMap.get_one_block", _POOL, "key"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key", "block_id"),
     *_fields(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_id", "ref_cnt", "is_null"),
-    *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash"),
+    *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash", "block_hash_num_tokens"),
 )
 
 #: Everything else, on the paths that run rarely: KV-load failures, their readers, the

@@ -30,9 +30,12 @@ def test_mutation_is_caught(explored: Explore, mutation: str) -> None:
 
 
 @pytest.mark.xfail(
-    reason="the seed-17 window (a loader blamed by block id for an earlier failed load, "
-    "then a reader of a later one) needs more requests and iterations than the default "
-    "scopes hold",
+    reason="the seed-17 window needs blocks of a step in flight freed at once and given to "
+    "another loader (vLLM blames it by block id for the failed load): vLLM's deferred "
+    "block free closes it whenever a KV consumer runs with steps in flight, so no faithful "
+    "scope reaches it (the soak's seed-17 workload at its horizon: 0 bad reads with the "
+    "fence, 1267 without it); scopes with the fence off small enough to finish did not "
+    "reach it either",
     strict=True,
 )
 def test_seed_17_rule_is_caught(explored: Explore) -> None:

@@ -26,8 +26,9 @@ def test_a_seed_names_one_workload(config: str) -> None:
 
 
 def test_round_trips_through_json_and_python_source() -> None:
-    workload = CONFIGS["kv-load-fail-abort-async"].workload(0, horizon=100)
+    workload = CONFIGS["kv-load-partial-async"].workload(0, horizon=100)
     assert any(isinstance(e, Abort) for e in workload.events)
+    assert any(isinstance(e, Arrive) and e.failed_blocks for e in workload.events)
     assert Workload.from_dict(json.loads(json.dumps(workload.to_dict()))) == workload
     namespace: dict[str, object] = {}
     exec(workload.to_python("PASTED"), namespace)

@@ -4,7 +4,8 @@ It plays a remote KV store holding the first ``external_tokens[request_id]`` tok
 a request. vLLM's real scheduler asks it for matches, allocates blocks, and registers
 their hashes in the same step (speculatively, inside ``allocate_slots``); the shadow
 worker then performs the load, or, for requests in ``fail_loads``, leaves the blocks
-unwritten and reports them in ``KVConnectorOutput.invalid_block_ids``.
+unwritten and reports them in ``KVConnectorOutput.invalid_block_ids`` (only those of
+the prompt's blocks listed in ``failed_blocks``, where it lists any: the others load).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class FakeLoadConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size: int = vllm_config.cache_config.block_size
         self.external_tokens: dict[str, int] = {}
         self.fail_loads: set[str] = set()
+        # Request ID -> indices of the prompt's blocks whose load fails (default: all).
+        self.failed_blocks: dict[str, frozenset[int]] = {}
         self._pending: list[PlannedLoad] = []
 
     # -- scheduler side ----------------------------------------------------------------
@@ -69,8 +72,22 @@ class FakeLoadConnector(KVConnectorBase_V1, SupportsHMA):
             b.block_id for b in group_blocks[start // self.block_size : end // self.block_size]
         ]
         fails = request.request_id in self.fail_loads
-        self._pending.append(
-            PlannedLoad(request.request_id, start, num_external_tokens, block_ids, fails)
+        failed_blocks = self.failed_blocks.get(request.request_id)
+        if not fails or failed_blocks is None:
+            self._pending.append(
+                PlannedLoad(request.request_id, start, num_external_tokens, block_ids, fails)
+            )
+            return
+        first = start // self.block_size
+        self._pending.extend(
+            PlannedLoad(
+                request.request_id,
+                (first + offset) * self.block_size,
+                self.block_size,
+                [block_id],
+                first + offset in failed_blocks,
+            )
+            for offset, block_id in enumerate(block_ids)
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:

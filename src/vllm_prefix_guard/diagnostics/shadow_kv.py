@@ -458,10 +458,18 @@ class ShadowWorker:
             self.failure_reports.append((invalid, failed_requests))
         # Failed loads reported after this step was dispatched: vLLM learns of them at
         # the report and recomputes; reads of those blocks, and every read of the request
-        # whose load failed, are its known loss in this step, not a prefix-cache hit.
+        # whose load failed, are its known loss in this step, not a prefix-cache hit. So
+        # is what that request computes over them while its report is pending (the
+        # scheduler could not know at dispatch): a same-step sharer reads it as it reads
+        # the failed block itself, and must recompute (vLLM truncates the holders of an
+        # invalid block, the guard preempts every reader of a bad block).
         known_failed: set[int] = set()
         known_lost: set[str] = set()
         for blocks, requests in self.failure_reports[plan.reports_before :]:
+            for read in plan.reads:
+                if read.request_id in requests and read.num_tokens:
+                    first, last = read.start // size, (read.start + read.num_tokens - 1) // size
+                    blocks.update(read.block_ids[first : last + 1])
             known_failed |= blocks
             known_lost |= requests
         bad_state = self._read_states(step, plan)

@@ -103,3 +103,48 @@ class BlockPoolAdditions:
             removed_hashes = [block_hash]
         self._emit_block_removed_events(removed_hashes)
         return bool(removed_hashes)
+
+    @staticmethod
+    def runs_to_cache(
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> list[tuple[int, int]] | None:
+        """The runs of `blocks[num_cached_blocks:num_full_blocks]` to cache, around
+        blocks already cached as the full block they are about to become.
+
+        Only a failed KV load's rollback leaves such blocks (see
+        `FailedKVLoads`): it removes the loader's entries from its first failed
+        block on but keeps those of later blocks that loaded fine, and rewinds
+        the loader's cached-block count to the first removed block, so that the
+        loader caches its recomputed blocks again. The kept blocks hold valid KV
+        under their entry already; caching them again would register the same
+        hash twice.
+
+        Args:
+            blocks: All blocks of the request in one KV cache group.
+            num_cached_blocks: The blocks it has cached.
+            num_full_blocks: The blocks it will have cached.
+            block_size: Tokens per block of the group.
+
+        Returns:
+            None if no block is kept (the common case: cache the whole range),
+            else the `[start, end)` runs between kept blocks, in order.
+
+        """
+        kept = [
+            index
+            for index in range(num_cached_blocks, num_full_blocks)
+            if blocks[index].block_hash is not None
+            and blocks[index].block_hash_num_tokens == (index + 1) * block_size
+        ]
+        if not kept:
+            return None
+        runs = []
+        start = num_cached_blocks
+        for index in [*kept, num_full_blocks]:
+            if start < index:
+                runs.append((start, index))
+            start = index + 1
+        return runs

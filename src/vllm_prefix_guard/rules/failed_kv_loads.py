@@ -20,7 +20,7 @@ leaves three ways to read bad KV, which `FailedKVLoads` closes:
   entries name KV computed over bad KV.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import get_group_id
@@ -31,6 +31,17 @@ from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntr
 
 if TYPE_CHECKING:
     from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+
+
+def partition(
+    entries: list[UncommittedEntry], keep: Callable[[UncommittedEntry], bool]
+) -> tuple[list[UncommittedEntry], list[UncommittedEntry]]:
+    """(The entries `keep` holds for, the others), each in order."""
+    kept: list[UncommittedEntry] = []
+    other: list[UncommittedEntry] = []
+    for entry in entries:
+        (kept if keep(entry) else other).append(entry)
+    return kept, other
 
 
 def blocks_read(
@@ -139,7 +150,7 @@ class FailedKVLoads:
         """Roll back the failed loads of `steps[0]`, through every later step
         in `steps` (oldest first)."""
         self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
-        loaders = self._remove_loaders(steps[0][1], invalid_block_ids)
+        loaders = self._remove_loaders(*steps[0], invalid_block_ids)
         # Requests whose computation in the step being walked reads bad KV.
         tainted = set(loaders)
         # Reader -> the record of its admission, which keeps the entries it had
@@ -185,9 +196,18 @@ class FailedKVLoads:
         )
 
     def _remove_loaders(
-        self, entries: StepCacheEntries, invalid_block_ids: set[int]
+        self,
+        scheduler_output: SchedulerOutput,
+        entries: StepCacheEntries,
+        invalid_block_ids: set[int],
     ) -> set[str]:
-        """Remove each loader's entries past its first failed token."""
+        """Remove each loader's entries past its first failed token, but for the
+        blocks that loaded fine: their KV is what the connector loaded, which
+        does not depend on the failed block before it."""
+        loaded_tokens = {
+            req_id: num_computed_tokens
+            for req_id, _, num_computed_tokens in admissions(scheduler_output)
+        }
         loaders = set()
         for req_id, req_entries in list(entries.items()):
             if req_id is None:
@@ -200,8 +220,14 @@ class FailedKVLoads:
             written, unwritten = self.uncommitted.split_written(
                 req_entries, failed_from
             )
-            self.uncommitted.keep(entries, req_id, written)
-            self.loaders[req_id] = self._remove_bad(req_id, unwritten)
+            loaded_fine, unwritten = self.uncommitted.split_written(
+                unwritten, loaded_tokens.get(req_id, 0)
+            )
+            loaded_fine, failed = partition(
+                loaded_fine, lambda e: e[1].block_id not in invalid_block_ids
+            )
+            self.uncommitted.keep(entries, req_id, written + loaded_fine)
+            self.loaders[req_id] = self._remove_bad(req_id, failed + unwritten)
             loaders.add(req_id)
         return loaders
 

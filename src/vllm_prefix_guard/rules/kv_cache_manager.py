@@ -25,8 +25,8 @@ class CachedBlockRewind:
 
         Each KV cache group counts the blocks of a request it has cached and
         never caches those again; this lowers the count to the first uncached
-        block, when every block from there on is uncached (as caching them
-        requires).
+        block. Blocks after it that kept their entry (they loaded fine after a
+        failed block) are cached around: `BlockPool.runs_to_cache`.
 
         Args:
             uncached: Request ID -> IDs of its blocks whose entries were
@@ -47,9 +47,5 @@ class CachedBlockRewind:
                     ),
                     None,
                 )
-                if first is not None and all(
-                    block.block_hash is None
-                    for block in blocks[first:num_cached_blocks]
-                    if not block.is_null
-                ):
+                if first is not None:
                     manager.num_cached_block[req_id] = first

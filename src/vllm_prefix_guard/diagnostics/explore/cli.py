@@ -11,6 +11,7 @@ every check passed (with ``--mutation``: the mutation was caught), 1 a check fai
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import sys
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--doc", help="also rewrite the marked explore section of this markdown file"
     )
+    parser.add_argument("--json", help="also write each scope's figures to this JSON file")
     return parser
 
 
@@ -102,6 +104,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print("re-run: " + " ".join(["vllm-prefix-guard", "explore", *argv]))
     if args.doc:
         write_doc(Path(args.doc), header, results, argv)
+    if args.json:
+        from vllm_prefix_guard.diagnostics.explore.report import summary
+
+        document = {"vllm": vllm_version(), "scopes": [summary(r) for r in results]}
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     return EXIT_CHECK_FAILED if failed else EXIT_OK
 
 

@@ -83,6 +83,10 @@ def plain(value: Any) -> Any:
         return ("set", tuple(sorted(repr(plain(v)) for v in value)))
     if isinstance(value, list | tuple) or _is_queue(value):
         return tuple(plain(v) for v in value)
+    if type(value).__name__ == "KVCacheBlock":
+        # By id: the pool's state of every block is digested on its own (pool_state).
+        # Blocks appear in vLLM's own fields, e.g. the deferred frees of async steps.
+        return ("block", value.block_id)
     if type(value).__name__ == "BlockHashWithGroupId" or isinstance(value, bytes | bytearray):
         return bytes(value)
     raise Unplain(type(value).__name__)

@@ -82,7 +82,7 @@ class KeptEntriesStay(FailedKVLoads):
         invalid_block_ids: set[int],
     ) -> None:
         self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
-        loaders = self._remove_loaders(steps[0][1], invalid_block_ids)
+        loaders = self._remove_loaders(*steps[0], invalid_block_ids)
         tainted = set(loaders)
         kept: dict[str, StepCacheEntries] = {}
         for index, (output, entries) in enumerate(steps):

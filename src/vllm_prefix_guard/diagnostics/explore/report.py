@@ -10,6 +10,7 @@ workload event, so every finding is also printed as an explorer replay.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from vllm_prefix_guard.diagnostics.explore.scope import Scope
 from vllm_prefix_guard.diagnostics.explore.search import Finding, SearchResult
@@ -40,6 +41,22 @@ def table(results: Sequence[SearchResult]) -> str:
                 f"| {'yes' if result.complete else 'NO'} |"
             )
     return "\n".join(lines)
+
+
+def summary(result: SearchResult) -> dict[str, Any]:
+    """One scope's figures, as ``explore --json`` writes them (``upstream/check.py``
+    reads them for the series)."""
+    return {
+        "scope": result.scope.name,
+        "bounds": result.scope.bounds(),
+        "complete": result.complete,
+        "seconds": round(result.seconds, 1),
+        **{key: result.counters[key] for key in ("states", "transitions", "complete_paths")},
+        "depth": result.counters["max_depth"],
+        "violations": {mode: result.violations(mode) for mode in result.modes},
+        "compared_paths": result.counters["compared_paths"],
+        "hit_gaps": len(result.of("hit_gap")),
+    }
 
 
 def describe_path(path: Path) -> str:

@@ -105,6 +105,25 @@ class Scope:
             kv_load_failure_policy=self.kv_load_failure_policy,
         )
 
+    def bounds(self) -> str:
+        """The bound in one sentence (the upstream PR text states it per scope)."""
+        order = "in order" if self.arrivals == "fixed" else "in any order"
+        events = [f"up to {self.arrivals_per_step} arrival(s) {order}"]
+        events += ["an abort"] * self.aborts + ["a prefix-cache reset"] * self.resets
+        if self.load_failures:
+            events.append(
+                f"the failure of any subset of the step's KV loads "
+                f"(policy {self.kv_load_failure_policy})"
+            )
+        events += ["a dropped output"] * self.drops
+        return (
+            f"every sequence of {self.horizon} engine iterations, each with any of: "
+            f"{'; '.join(events)}; over {len(self.requests)} requests on a "
+            f"{self.num_blocks}-block pool (block size {self.block_size}, "
+            f"{self.max_num_batched_tokens}-token budget, {self.policy}, "
+            f"{self.depth} step{'s' * (self.depth > 1)} in flight), each run on to its drain"
+        )
+
     def describe(self) -> str:
         """The scope in full, one setting a line."""
         lines = [f"{self.name}: {self.description}"]

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import get_group_id
+from vllm.v1.core.sched.output import SchedulerOutput
 
 from vllm_prefix_guard.diagnostics.shadow_kv import ShadowState, ShadowWorker, TokenModel
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
@@ -378,10 +379,15 @@ class AuditedFailedKVLoads(FailedKVLoads):
         super().__init__(uncommitted, running_req_ids)
         self._cause: str | None = None
 
-    def _remove_loaders(self, entries: StepCacheEntries, invalid_block_ids: set[int]) -> set[str]:
+    def _remove_loaders(
+        self,
+        scheduler_output: SchedulerOutput,
+        entries: StepCacheEntries,
+        invalid_block_ids: set[int],
+    ) -> set[str]:
         self._cause = LOADER
         try:
-            return super()._remove_loaders(entries, invalid_block_ids)
+            return super()._remove_loaders(scheduler_output, entries, invalid_block_ids)
         finally:
             self._cause = None
 

@@ -185,6 +185,25 @@ CONFIGS: dict[str, FuzzConfig] = {
             targeted=True,
         ),
         FuzzConfig(
+            "kv-load-partial",
+            "targeted: KV-connector sync loads fail on some of their blocks only, the "
+            "others loading fine (policy recompute), while followers look up the prefix",
+            _spec(num_blocks=64, kv_load_failure_policy="recompute"),
+            failed_loads=FailedLoadEpisodes(fail_share=0.7, partial_share=1.0),
+            traffic=Traffic(arrival_rate=0.3),
+            targeted=True,
+        ),
+        FuzzConfig(
+            "kv-load-partial-async",
+            "targeted: KV-connector sync loads fail on some of their blocks only (policy "
+            "fail), the loader sometimes aborted first; async, two steps in flight",
+            _spec(num_blocks=64, kv_load_failure_policy="fail", async_scheduling=True),
+            depth=2,
+            failed_loads=FailedLoadEpisodes(fail_share=0.7, abort_loader=0.3, partial_share=1.0),
+            traffic=Traffic(arrival_rate=0.3, abort_prob=0.05),
+            targeted=True,
+        ),
+        FuzzConfig(
             "everything-async",
             "all of it at once: priority phases, async, n>1, aborts in flight, resets, "
             "victim episodes, and sync loads that fail (policy recompute) in a small pool",

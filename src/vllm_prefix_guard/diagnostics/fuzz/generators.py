@@ -260,12 +260,14 @@ class FailedLoadEpisodes:
     (several chunks) and the load fails; followers with the same prefix arrive a step
     or a few later, before the loader recomputes it (policy "recompute"), or after the
     loader was aborted before the failing step's update (``abort_loader``: under policy
-    "fail" vLLM then never evicts the invalid blocks)."""
+    "fail" vLLM then never evicts the invalid blocks). A share of the failing loads
+    (``partial_share``) fail on some of the prefix's blocks only, the others loading fine."""
 
     gap: int = 24
     prefix_blocks: tuple[int, int] = (6, 12)
     fail_share: float = 0.5
     abort_loader: float = 0.0
+    partial_share: float = 0.0
     followers: tuple[int, int] = (1, 3)
     follower_delay: tuple[int, int] = (1, 4)
     max_tokens: tuple[int, int] = (2, 8)
@@ -289,8 +291,16 @@ def failed_load_episodes(
         fails = rng.random() < knobs.fail_share
         request_id = names.request()
         loader = (*shared, (names.run(), rng.randint(1, 24)))
+        max_tokens = rng.randint(*knobs.max_tokens)
+        failed_blocks: tuple[int, ...] = ()
+        # Drawn only where partial failures are on: the other configurations' draws stay.
+        if fails and knobs.partial_share and rng.random() < knobs.partial_share:
+            num_blocks = external // block_size
+            failed_blocks = tuple(
+                sorted(rng.sample(range(num_blocks), rng.randint(1, num_blocks - 1)))
+            )
         events.append(
-            Arrive(start, request_id, loader, rng.randint(*knobs.max_tokens), 0, external, fails)
+            Arrive(start, request_id, loader, max_tokens, 0, external, fails, failed_blocks)
         )
         if fails and rng.random() < knobs.abort_loader:
             events.append(Abort(start, request_id))

@@ -266,6 +266,8 @@ def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int)
             connector.external_tokens[event.request_id] = event.external_tokens
         if event.fail_load:
             connector.fail_loads.add(event.request_id)
+            if event.failed_blocks:
+                connector.failed_blocks[event.request_id] = frozenset(event.failed_blocks)
     driver.add(request)
     return request
 

@@ -33,9 +33,11 @@ def prompt_length(prompt: Runs) -> int:
 class Arrive:
     """``request_id`` is added before engine iteration ``step``.
 
-    ``external_tokens`` and ``fail_load`` drive the fake KV connector (configurations
-    with a ``kv_load_failure_policy``): the first ``external_tokens`` tokens are
-    remotely available, and every synchronous load of this request fails.
+    ``external_tokens``, ``fail_load`` and ``failed_blocks`` drive the fake KV connector
+    (configurations with a ``kv_load_failure_policy``): the first ``external_tokens``
+    tokens are remotely available, and every synchronous load of this request fails:
+    all of it, or, when ``failed_blocks`` names blocks of the prompt (by index), only
+    theirs (the others load fine).
     """
 
     step: int
@@ -45,6 +47,7 @@ class Arrive:
     priority: int = 0
     external_tokens: int = 0
     fail_load: bool = False
+    failed_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ class Workload:
             fields = {k: v for k, v in raw.items() if k != "type"}
             if "prompt" in fields:
                 fields["prompt"] = tuple(tuple(run) for run in fields["prompt"])
+            if "failed_blocks" in fields:
+                fields["failed_blocks"] = tuple(fields["failed_blocks"])
             events.append(kinds[raw["type"]](**fields))
         return cls(SchedulerSpec(**data["spec"]), data["depth"], tuple(events))
 

@@ -156,6 +156,31 @@ def test_failed_load_under_recompute_is_never_hit():
     assert num_hit_tokens(scheduler, loader, NUM_PROMPT_TOKENS) == 64
 
 
+def test_blocks_loaded_after_a_failed_block_stay_cached():
+    """Only the load of the loader's second block fails: the third loaded fine and
+    keeps its entry (a sharer that hits the recomputed second block hits it too).
+    The loader caches its recomputed blocks around it, registering none twice."""
+    loader = create_request(
+        num_tokens=NUM_PROMPT_TOKENS, common_prefix_len=NUM_PROMPT_TOKENS
+    )
+    scheduler = create_loading_scheduler(loader, "recompute")
+    scheduler.add_request(loader)
+    scheduler_output = scheduler.schedule()
+    [block_ids] = scheduler_output.scheduled_new_reqs[0].block_ids
+    failed, loaded_fine = block_ids[1], block_ids[2]
+    scheduler.update_from_output(
+        scheduler_output,
+        model_runner_output(scheduler_output, [loader], {failed}),
+    )
+    block_pool = scheduler.kv_cache_manager.block_pool
+    assert block_pool.blocks[failed].block_hash is None
+    assert block_pool.blocks[loaded_fine].block_hash is not None
+    # A hit stops at the failed block until the loader has recomputed it.
+    assert num_hit_tokens(scheduler, loader) == BLOCK_SIZE
+    finish_all(scheduler, [loader])
+    assert num_hit_tokens(scheduler, loader, NUM_PROMPT_TOKENS) == NUM_PROMPT_TOKENS
+
+
 def test_sharer_of_failed_load_recomputes():
     """#26813: a sharer hits the blocks the loader registers in the same step, and
     the load fails. vLLM truncates only the first holder of an invalid block; the sharer
