@@ -216,18 +216,16 @@ FAILED_KV_LOADS: tuple[Edit, ...] = (
 """,
         """        if num_cached_blocks >= num_full_blocks:
             return
-        runs = self.runs_to_cache(
-            blocks, num_cached_blocks, num_full_blocks, block_size
-        )
-        if runs is not None:
+        if self.cache_around_kept_blocks(
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        ):
             # Around the blocks a failed KV load's rollback kept.
-            for start, end in runs:
-                mask = block_mask
-                if mask is not None:
-                    mask = mask[start - num_cached_blocks : end - num_cached_blocks]
-                self.cache_full_blocks(
-                    request, blocks, start, end, block_size, kv_cache_group_id, mask
-                )
             return
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
 """,

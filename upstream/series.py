@@ -151,7 +151,7 @@ PARTS: tuple[Part, ...] = (
             Methods(
                 "block_pool",
                 "BlockPoolAdditions",
-                ("runs_to_cache",),
+                ("runs_to_cache", "cache_around_kept_blocks"),
                 "BlockPool",
                 "cache_full_blocks",
             ),

@@ -92,18 +92,16 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         kv_cache_group_id: int,
         block_mask: Any = None,
     ) -> Any:
-        runs = self.runs_to_cache(blocks, num_cached_blocks, num_full_blocks, block_size)
-        if runs is not None:
-            # Around the blocks a failed load's rollback kept (the series' part 2 edits
-            # vLLM's cache_full_blocks the same way).
-            for start, end in runs:
-                mask = block_mask
-                if mask is not None:
-                    mask = mask[start - num_cached_blocks : end - num_cached_blocks]
-                self.cache_full_blocks(
-                    request, blocks, start, end, block_size, kv_cache_group_id, mask
-                )
-            return None
+        if self.cache_around_kept_blocks(
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        ):
+            return None  # blocks a failed load's rollback kept (the series' part 2)
         if self.uncommitted_entries is None:
             return self._next_cache_full_blocks(
                 self,

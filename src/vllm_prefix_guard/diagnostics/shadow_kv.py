@@ -455,7 +455,9 @@ class ShadowWorker:
                 block_id = load.block_ids[position // size - load.start // size]
                 self.kv.write(block_id, position % size, model.fingerprint(position))
         if invalid:
-            self.failure_reports.append((invalid, failed_requests))
+            # A copy: the report grows below (what the failing request computes), and
+            # `invalid` goes to vLLM in this step's output, which must not.
+            self.failure_reports.append((set(invalid), failed_requests))
         # Failed loads reported after this step was dispatched: vLLM learns of them at
         # the report and recomputes; reads of those blocks, and every read of the request
         # whose load failed, are its known loss in this step, not a prefix-cache hit. So

@@ -11,6 +11,7 @@ between the two.
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
+from vllm.v1.request import Request
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockHashToBlockMap
@@ -42,6 +43,17 @@ class BlockPoolAdditions:
 
         def _emit_block_removed_events(
             self, block_hashes: list[BlockHashWithGroupId]
+        ) -> None: ...
+
+        def cache_full_blocks(
+            self,
+            request: Request,
+            blocks: list[KVCacheBlock],
+            num_cached_blocks: int,
+            num_full_blocks: int,
+            block_size: int,
+            kv_cache_group_id: int,
+            block_mask: list[bool] | None = None,
         ) -> None: ...
 
     def uncached_block_hashes(
@@ -148,3 +160,34 @@ class BlockPoolAdditions:
                 runs.append((start, index))
             start = index + 1
         return runs
+
+    def cache_around_kept_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None,
+    ) -> bool:
+        """`cache_full_blocks` run by run around the kept blocks (`runs_to_cache`).
+
+        Returns:
+            False, having done nothing, if no block is kept: the caller caches
+            the whole range itself.
+
+        """
+        runs = self.runs_to_cache(
+            blocks, num_cached_blocks, num_full_blocks, block_size
+        )
+        if runs is None:
+            return False
+        for start, end in runs:
+            mask = block_mask
+            if mask is not None:
+                mask = mask[start - num_cached_blocks : end - num_cached_blocks]
+            self.cache_full_blocks(
+                request, blocks, start, end, block_size, kv_cache_group_id, mask
+            )
+        return True
