@@ -146,6 +146,10 @@ def write_doc(path: Path, header: str, results: list[Any], argv: list[str]) -> N
             f"Written by `nox -s explore` (`{command}`); {header}.",
             "",
             table(results),
+            "",
+            "Bounds, per scope (`vllm-prefix-guard explore --list` states each in full):",
+            "",
+            *(f"- `{r.scope.name}`: {r.scope.bounds()}." for r in results),
             DOC_END,
         ]
     )
