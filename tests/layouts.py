@@ -75,11 +75,10 @@ def failed_sync_load(policy: str, abort_before_update: bool) -> Driver:
     return driver
 
 
-def failed_load_two_in_flight() -> tuple[Driver, int]:
-    """``AsyncScheduler``, two steps in flight: ``r``'s load fails while the step after it,
-    already dispatched, computes (and registers) more of its prompt over the invalid KV;
-    then ``s`` with the same prompt. Returns the driver and how many blocks ``r`` computed
-    over the invalid KV in the two steps."""
+def loader_two_in_flight() -> tuple[Driver, list[int], Any, Any]:
+    """``AsyncScheduler``: ``r`` loads 48 tokens (the load fails) in the first of two steps
+    dispatched, the second computing more of its prompt. Returns the driver, ``r``'s prompt
+    and the two steps' outputs, neither completed."""
     scheduler = make_scheduler(
         num_blocks=40,
         kv_load_failure_policy="recompute",
@@ -93,8 +92,15 @@ def failed_load_two_in_flight() -> tuple[Driver, int]:
     driver = Driver(scheduler, depth=2)
     prompt = list(range(1, 97))
     driver.add(make_request("r", prompt, max_tokens=4))
-    failing = driver.schedule()
-    following = driver.schedule()
+    return driver, prompt, driver.schedule(), driver.schedule()
+
+
+def failed_load_two_in_flight() -> tuple[Driver, int]:
+    """``AsyncScheduler``, two steps in flight: ``r``'s load fails while the step after it,
+    already dispatched, computes (and registers) more of its prompt over the invalid KV;
+    then ``s`` with the same prompt. Returns the driver and how many blocks ``r`` computed
+    over the invalid KV in the two steps."""
+    driver, prompt, failing, following = loader_two_in_flight()
     # Blocks 3-4 (vLLM >= 0.31 lifts long_prefill_token_threshold for a lone request) or
     # block 3 only (vLLM 0.30 caps it), over the invalid prefix; then one more block.
     assert failing.num_scheduled_tokens["r"] in (16, 32)

@@ -17,6 +17,7 @@ from layouts import (
     PARTIAL_FAILED_LOADS,
     failed_load_two_in_flight,
     failed_sync_load,
+    loader_two_in_flight,
     shrunk_async_priority,
 )
 from native_fix import guard_only
@@ -272,19 +273,7 @@ def test_worker_reports_exactly_the_blocks_that_failed() -> None:
     """The shadow worker's own record of a failure grows (what the failing request
     computes while its report is pending counts as that step's known loss); what vLLM is
     told, ``invalid_block_ids``, must stay the blocks whose load failed."""
-    scheduler = make_scheduler(
-        num_blocks=40,
-        kv_load_failure_policy="recompute",
-        max_num_batched_tokens=32,
-        long_prefill_token_threshold=16,
-        async_scheduling=True,
-    )
-    scheduler.connector.external_tokens["r"] = 48
-    scheduler.connector.fail_loads.add("r")
-    driver = Driver(scheduler, depth=2)
-    driver.add(make_request("r", list(range(1, 97)), max_tokens=4))
-    failing = driver.schedule()
-    driver.schedule()
+    driver, _, failing, _ = loader_two_in_flight()
     (new_req,) = failing.scheduled_new_reqs
     loaded = set(new_req.block_ids[0][:3])
     first = driver.worker.execute(driver.in_flight[0])
