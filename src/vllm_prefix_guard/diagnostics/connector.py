@@ -10,6 +10,7 @@ the prompt's blocks listed in ``failed_blocks``, where it lists any: the others 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,21 @@ class PlannedLoad:
     num_tokens: int
     block_ids: list[int]
     fails: bool
+
+    def per_block(self, block_size: int, fails: Callable[[int], bool]) -> list[PlannedLoad]:
+        """This load as one load per block, which fails where ``fails`` holds for the
+        block's index in the request (a load that fails on some blocks only)."""
+        first = self.start // block_size
+        return [
+            PlannedLoad(
+                self.request_id,
+                (first + offset) * block_size,
+                block_size,
+                [block_id],
+                fails(first + offset),
+            )
+            for offset, block_id in enumerate(self.block_ids)
+        ]
 
 
 @dataclass
@@ -72,23 +88,12 @@ class FakeLoadConnector(KVConnectorBase_V1, SupportsHMA):
             b.block_id for b in group_blocks[start // self.block_size : end // self.block_size]
         ]
         fails = request.request_id in self.fail_loads
+        load = PlannedLoad(request.request_id, start, num_external_tokens, block_ids, fails)
         failed_blocks = self.failed_blocks.get(request.request_id)
-        if not fails or failed_blocks is None:
-            self._pending.append(
-                PlannedLoad(request.request_id, start, num_external_tokens, block_ids, fails)
-            )
-            return
-        first = start // self.block_size
-        self._pending.extend(
-            PlannedLoad(
-                request.request_id,
-                (first + offset) * self.block_size,
-                self.block_size,
-                [block_id],
-                first + offset in failed_blocks,
-            )
-            for offset, block_id in enumerate(block_ids)
-        )
+        if fails and failed_blocks is not None:
+            self._pending.extend(load.per_block(self.block_size, failed_blocks.__contains__))
+        else:
+            self._pending.append(load)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = FakeLoadMetadata(self._pending)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.connector import PlannedLoad
 from vllm_prefix_guard.diagnostics.explore import digest
 from vllm_prefix_guard.diagnostics.explore.mutations import MUTATIONS
 from vllm_prefix_guard.diagnostics.explore.scope import Scope
@@ -183,13 +182,13 @@ class Lane:
         plan = self.new_plan
         if plan is None or not plan.loads:
             return
-        loads = []
-        for load in plan.loads:
-            for offset, block_id in enumerate(load.block_ids):
-                start = load.start + offset * block_size
-                fails = (load.request_id, start // block_size) in failed
-                loads.append(PlannedLoad(load.request_id, start, block_size, [block_id], fails))
-        plan.loads = loads
+        plan.loads = [
+            part
+            for load in plan.loads
+            for part in load.per_block(
+                block_size, lambda index, r=load.request_id: (r, index) in failed
+            )
+        ]
 
     def completes(self) -> bool:
         """Whether this iteration completes the oldest step in flight."""
