@@ -117,6 +117,50 @@ def test_guard_keeps_blocks_a_partial_failed_load_loaded_fine() -> None:
     assert (stock.hit_tokens, guard.hit_tokens) == (12, 12)
 
 
+#: A request preempted after its load failed starts over: r1's load fails on its blocks 1
+#: and 2, a reset preempts it while that step is in flight, and it loads its prefix again
+#: in the next step (scope ``async-priority-unfenced``). The oracle once kept counting
+#: r1's reads as the failed load's known loss after the restart, so the KV r1 computed
+#: over its fresh load counted as bad (4 reads, in stock and the guard alike).
+RESTARTED_LOADER_PATH = (
+    Step.from_json([[0], None, False, [], False]),
+    Step.from_json([[1], None, False, [["r1", 1], ["r1", 2]], False]),
+    Step.from_json([[], None, True, [], False]),
+)
+
+
+def test_a_loader_restarted_after_its_failed_load_reads_clean_kv() -> None:
+    scope = SCOPES["async-priority-unfenced"]
+    with plugin_restored():
+        system = drain(replay(scope, RESTARTED_LOADER_PATH, BOTH))
+    assert [lane.bad_reads for lane in system.lanes] == [0, 0]
+    assert all(lane.drained for lane in system.lanes)
+
+
+#: r1 (A, low priority) is preempted inside schedule() by r2 and resumed; r3 (A again)
+#: arrives later. On vLLM 0.30 the guard's hits are 28 here, stock's 24, stock reading
+#: nothing bad: the guard undid r1's never-written entries, freeing their blocks without a
+#: hash, which the pool reuses first, while stock kept them cached and evicted a valid block
+#: before them.
+EVICTION_ORDER_PATH = (
+    Step.from_json([[0, 1], None, False, [], False]),
+    Step.from_json([[2], "r0", False, [], False]),
+    Step.from_json([[], None, False, [], False]),
+    Step.from_json([[3], "r2", False, [], False]),
+)
+
+
+def test_guard_hits_exceed_clean_stock_only_by_eviction_order() -> None:
+    """The path comparison allows the guard more hits than clean stock only on a path
+    where it undid entries (``System.guard_rolled_back``), never fewer."""
+    with plugin_restored():
+        system = drain(replay(SCOPES["hybrid-priority"], EVICTION_ORDER_PATH, BOTH))
+    stock, guard = system.lanes
+    assert stock.bad_reads == guard.bad_reads == 0
+    assert guard.hit_tokens >= stock.hit_tokens
+    assert system.guard_rolled_back()
+
+
 #: Fields the digest cannot read, and why that is sound: the connector's configuration is
 #: fixed when it is built, and a request's ``all_token_ids`` / ``output_token_ids`` are
 #: read-only views of ``_all_token_ids`` / ``_output_token_ids``, digested by those names.
@@ -130,7 +174,9 @@ UNREAD_FIELDS = {
 }
 
 
-@pytest.mark.parametrize("name", ["async-fcfs-recompute", "async-priority-fail", "sync-priority"])
+@pytest.mark.parametrize(
+    "name", ["async-fcfs-recompute", "async-priority-fail", "sync-priority", "hybrid-async-retry"]
+)
 def test_digest_reads_every_field_that_can_change_what_happens_next(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -58,3 +58,18 @@ def test_soak_finding_audit_is_clean(name: str, seed: int) -> None:
     assert guard.audit is not None
     assert guard.audit.invalid_committed == 0, guard.audit.examples
     assert guard.audit.valid_rolled_back == 0, guard.audit.examples
+
+
+@pytest.mark.slow
+def test_a_backlog_draining_is_no_stall() -> None:
+    """``hybrid-retry-async`` seed 4 (vLLM 0.33, found 2026-12-03): the soak counted a
+    stalled run in stock and the guard alike; it was a backlog of 2,006 requests at the
+    last arrival, still draining (a request finishing at least every 25 iterations) when
+    the fixed drain budget ran out. The budget now restarts whenever a request finishes."""
+    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+
+    quiet_vllm()
+    config = CONFIGS["hybrid-retry-async"]
+    workload = config.workload(4, config.horizon * SOAK_HORIZON_FACTOR)
+    run = run_workload(workload, "stock")
+    assert run.stalled_runs == 0

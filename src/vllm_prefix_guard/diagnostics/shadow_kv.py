@@ -335,6 +335,19 @@ class ShadowWorker:
         self.steps_executed = 0
         # (invalid block ids, requests whose load failed) per executed step that had any.
         self.failure_reports: list[tuple[set[int], set[str]]] = []
+        # request id -> how many reports existed when a step preempted it: a preempted
+        # request starts over (its own new loads, or hits the oracle checks block by
+        # block), so the reports before that no longer make its later reads a known loss.
+        self.restarted_at: dict[str, int] = {}
+
+    def lost_by(self, index: int) -> set[str]:
+        """The requests whose reads report ``index`` still makes a known loss: those
+        whose load failed, unless a step preempted them since (they started over)."""
+        return {
+            request_id
+            for request_id in self.failure_reports[index][1]
+            if self.restarted_at.get(request_id, 0) <= index
+        }
 
     @property
     def connector(self) -> Any:
@@ -366,6 +379,7 @@ class ShadowWorker:
         twin.models = self.models
         twin.steps_executed = self.steps_executed
         twin.failure_reports = list(self.failure_reports)
+        twin.restarted_at = dict(self.restarted_at)
         return twin
 
     def plan(self, output: Any) -> StepPlan:
@@ -441,6 +455,8 @@ class ShadowWorker:
 
         step = self.steps_executed
         self.steps_executed += 1
+        for request_id in plan.output.preempted_req_ids or ():
+            self.restarted_at[request_id] = len(self.failure_reports)
         size = self.block_size
         invalid: set[int] = set()
         failed_requests: set[str] = set()
@@ -467,7 +483,8 @@ class ShadowWorker:
         # invalid block, the guard preempts every reader of a bad block).
         known_failed: set[int] = set()
         known_lost: set[str] = set()
-        for blocks, requests in self.failure_reports[plan.reports_before :]:
+        for index in range(plan.reports_before, len(self.failure_reports)):
+            blocks, requests = self.failure_reports[index][0], self.lost_by(index)
             for read in plan.reads:
                 if read.request_id in requests and read.num_tokens:
                     first, last = read.start // size, (read.start + read.num_tokens - 1) // size

@@ -9,8 +9,8 @@ id and queues by their order; then the pool (free-queue order, each block's refe
 count and hash, the hash -> blocks index), the KV-cache managers' per-request blocks,
 the guard's records of the steps in flight, and the shadow worker (the steps in flight
 with what they read, write and load, the failure reports they will see, and what every
-KV slot holds). What it leaves out is named in ``_SKIPPED``: statistics, configuration
-fixed at build time, and memos that only speed up the oracle.
+KV slot and state block holds). What it leaves out is named in ``_SKIPPED``: statistics,
+configuration fixed at build time, and memos that only speed up the oracle.
 """
 
 from __future__ import annotations
@@ -168,7 +168,9 @@ def guard_state(guard: Any) -> tuple[Any, ...] | None:
 
 def driver_state(driver: Any) -> tuple[Any, ...]:
     """The steps in flight as the worker will execute them, the failure reports they
-    will see, the aborts pending, and every KV slot's content."""
+    will see, the aborts pending, every KV slot's content, and what every state block of
+    a hybrid model's state groups holds (with the block each request resumes from).
+    Step numbers (``written_at``) and counters are left out: only the audit reads them."""
     worker = driver.worker
     reports = worker.failure_reports
     in_flight = []
@@ -189,6 +191,7 @@ def driver_state(driver: Any) -> tuple[Any, ...]:
                         tuple(r.block_ids),
                         r.samples,
                         admission.get(id(r)),
+                        tuple(tuple(ids) for ids in r.state_block_ids),
                     )
                     for r in plan.reads
                 ),
@@ -209,11 +212,19 @@ def driver_state(driver: Any) -> tuple[Any, ...]:
     return (
         tuple(in_flight),
         tuple(
-            (tuple(sorted(blocks)), tuple(sorted(requests)))
-            for blocks, requests in reports[oldest_report:]
+            (tuple(sorted(reports[index][0])), tuple(sorted(worker.lost_by(index))))
+            for index in range(oldest_report, len(reports))
         ),
         tuple(driver.pending_aborts),
         tuple(sorted((block, tuple(slots)) for block, slots in kv.slots.items())),
+        tuple(
+            (
+                state.group,
+                tuple(sorted(state.held.items())),
+                tuple(sorted(state.last_written.items())),
+            )
+            for state in worker.states
+        ),
         tuple(sorted(driver.admitted.items())),
         bool(kv.counts),
     )

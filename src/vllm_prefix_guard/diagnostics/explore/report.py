@@ -30,9 +30,16 @@ def table(results: Sequence[SearchResult]) -> str:
     for result in results:
         c = result.counters
         gaps = len(result.of("hit_gap"))
+        reordered = len(result.of("hit_gap_reordered"))
         compared = (
-            f"{c['compared_paths'] - gaps} of {c['compared_paths']}" if c["compared_paths"] else "-"
+            f"{c['compared_paths'] - gaps - reordered} of {c['compared_paths']}"
+            if c["compared_paths"]
+            else "-"
         )
+        if reordered:
+            compared += f" ({reordered} above: eviction order)"
+        if gaps:
+            compared += f" ({gaps} differ)"
         for mode in result.modes:
             lines.append(
                 f"| {result.scope.name} | {mode} | {c['states']} | {c['transitions']} "
@@ -56,6 +63,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
         "violations": {mode: result.violations(mode) for mode in result.modes},
         "compared_paths": result.counters["compared_paths"],
         "hit_gaps": len(result.of("hit_gap")),
+        "hit_gaps_reordered": len(result.of("hit_gap_reordered")),
     }
 
 
@@ -120,6 +128,14 @@ def findings_text(results: Sequence[SearchResult]) -> str:
                     f"{result.violations(mode)} transition(s); shortest:\n"
                     + reproducer(result.scope, shortest)
                 )
+        reordered = result.shortest("hit_gap_reordered")
+        if reordered is not None:
+            blocks.append(
+                f"## {result.scope.name}: guard hits above clean stock's on "
+                f"{len(result.of('hit_gap_reordered'))} path(s) where the guard undid entries "
+                f"(explained: eviction order; {reordered.detail}); shortest:\n"
+                + reproducer(result.scope, reordered)
+            )
         gap = result.shortest("hit_gap")
         if gap is not None:
             blocks.append(

@@ -20,7 +20,8 @@ Events per iteration (arrivals apply first, then the abort, then the reset, as i
 - ``reset_prefix_cache`` (``resets``; preempting the running requests first when
   ``reset_running``);
 - the KV load of the step just scheduled fails on any non-empty subset of the blocks it
-  loads (scopes with a ``kv_load_failure_policy``);
+  loads (scopes with a ``kv_load_failure_policy``; blocks of requests whose
+  ``load_may_fail`` is off never fail);
 - the output of the oldest step in flight is dropped and the next step's output comes
   back first (``drops``, async scopes): see ``system.Lane.drop_oldest`` for exactly when.
 """
@@ -43,9 +44,14 @@ class RequestSpec:
     priority: int = 0
     # The fake connector holds this many leading tokens remotely (whole blocks load).
     external_tokens: int = 0
+    # Whether the explorer may fail this request's loads (scopes with a load-failure
+    # policy): a scope that needs one loader whose loads never fail says so here.
+    load_may_fail: bool = True
 
     def describe(self) -> str:
         extra = f", {self.external_tokens} remote" if self.external_tokens else ""
+        if self.external_tokens and not self.load_may_fail:
+            extra += " (its loads never fail)"
         return (
             f"prompt {list(self.prompt)} ({prompt_length(self.prompt)} tokens), "
             f"max_tokens {self.max_tokens}, priority {self.priority}{extra}"
@@ -78,6 +84,14 @@ class Scope:
     reset_running: bool = True
     drops: bool = False
     max_model_len: int = 64
+    # A second KV-cache group holding a Mamba / linear-attention state per block, in the
+    # align mode prefix caching uses (the oracle checks the state each step starts from).
+    mamba_align: bool = False
+    # Blocks of a step in flight freed at once: vLLM's deferred block free
+    # (``Scheduler.defer_block_free``) switched off. No configuration of vLLM 0.30-0.33
+    # does this where a load can fail (a KV consumer with steps in flight always defers);
+    # a scope sets it only to reach the window one rule still guards (see ``SCOPES``).
+    unfenced_frees: bool = False
 
     @property
     def depth(self) -> int:
@@ -103,6 +117,7 @@ class Scope:
             policy=self.policy,
             async_scheduling=self.async_scheduling,
             kv_load_failure_policy=self.kv_load_failure_policy,
+            mamba_align=self.mamba_align,
         )
 
     def bounds(self) -> str:
@@ -111,17 +126,27 @@ class Scope:
         events = [f"up to {self.arrivals_per_step} arrival(s) {order}"]
         events += ["an abort"] * self.aborts + ["a prefix-cache reset"] * self.resets
         if self.load_failures:
+            never = [
+                f"r{index}'s"
+                for index, request in enumerate(self.requests)
+                if request.external_tokens and not request.load_may_fail
+            ]
             events.append(
                 f"the failure of any subset of the step's KV loads "
-                f"(policy {self.kv_load_failure_policy})"
+                f"(policy {self.kv_load_failure_policy}"
+                + "".join(f"; {name} never fail" for name in never)
+                + ")"
             )
         events += ["a dropped output"] * self.drops
+        model = ", a hybrid model (a Mamba state group, align mode)" * self.mamba_align
+        fence = ", frees of blocks in flight not deferred" * self.unfenced_frees
         return (
             f"every sequence of {self.horizon} engine iterations, each with any of: "
             f"{'; '.join(events)}; over {len(self.requests)} requests on a "
             f"{self.num_blocks}-block pool (block size {self.block_size}, "
             f"{self.max_num_batched_tokens}-token budget, {self.policy}, "
-            f"{self.depth} step{'s' * (self.depth > 1)} in flight), each run on to its drain"
+            f"{self.depth} step{'s' * (self.depth > 1)} in flight{model}{fence}), "
+            f"each run on to its drain"
         )
 
     def describe(self) -> str:
@@ -235,6 +260,73 @@ SCOPES: dict[str, Scope] = {
             horizon=4,
             arrivals="fixed",
             aborts=True,
+        ),
+        Scope(
+            "async-priority-unfenced",
+            "async priority, two steps in flight, frees NOT deferred (unfaithful, see "
+            "unfenced_frees): a loader whose load fails on any subset of its blocks, reset "
+            "(preempting the running requests) while that step is in flight, so its blocks "
+            "go at once to a second loader that vLLM then blames by block id (the "
+            "everything-async seed-17 soak finding's window, policy recompute)",
+            requests=(
+                RequestSpec(
+                    ((100, 4), (200, 8), (300, 1)),
+                    5,
+                    priority=1,
+                    external_tokens=12,
+                    load_may_fail=False,
+                ),
+                RequestSpec(((100, 4), (500, 12), (600, 4)), 2, priority=0, external_tokens=16),
+            ),
+            num_blocks=12,
+            long_prefill_token_threshold=8,
+            policy="priority",
+            async_scheduling=True,
+            kv_load_failure_policy="recompute",
+            horizon=3,
+            arrivals="fixed",
+            resets=True,
+            unfenced_frees=True,
+        ),
+        Scope(
+            "hybrid-priority",
+            "a hybrid model (full attention + a Mamba state group in align mode), sync "
+            "priority: the zombie layout, two arrivals a step in order, aborts",
+            requests=_ZOMBIE,
+            horizon=4,
+            arrivals="fixed",
+            arrivals_per_step=2,
+            aborts=True,
+            mamba_align=True,
+            **_ZOMBIE_POOL,  # type: ignore[arg-type]
+        ),
+        Scope(
+            "hybrid-async-retry",
+            "a hybrid model, async FCFS, two steps in flight: a long chunked prefill "
+            "aborted in flight and its retry (vLLM PR #56525's shape), any arrival order, "
+            "resets",
+            requests=(RequestSpec(_S, 1), RequestSpec(_S, 2), RequestSpec(_R, 1)),
+            num_blocks=12,
+            long_prefill_token_threshold=4,
+            async_scheduling=True,
+            horizon=4,
+            arrivals="any",
+            aborts=True,
+            resets=True,
+            mamba_align=True,
+        ),
+        Scope(
+            "hybrid-async-drop",
+            "a hybrid model, async FCFS, two steps in flight: requests of one family "
+            "arrive in order while the oldest step's output may be dropped; aborts",
+            requests=(RequestSpec(_P, 1), RequestSpec(_R, 1), RequestSpec(_P, 1)),
+            num_blocks=8,
+            async_scheduling=True,
+            horizon=5,
+            arrivals="fixed",
+            aborts=True,
+            drops=True,
+            mamba_align=True,
         ),
     )
 }

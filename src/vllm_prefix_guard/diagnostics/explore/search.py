@@ -47,7 +47,9 @@ T = TypeVar("T")
 @dataclass
 class Finding:
     """A lane's first bad read on a path (``kind="violation"``), a path where the guard's
-    hits differ from clean stock's (``"hit_gap"``), or an error."""
+    hits differ from clean stock's (``"hit_gap"``; ``"hit_gap_reordered"`` where they
+    are above stock's and the guard rolled entries back on the path: explained, see
+    ``System.guard_rolled_back``), or an error."""
 
     kind: str
     lane: str
@@ -169,7 +171,8 @@ class Search:
         self.table.add("compared_paths")
         if gap:
             hits = {lane.mode: lane.hit_tokens for lane in system.lanes}
-            self._log("hit_gap", "guard", path, {"gap": gap, "hits": hits})
+            kind = "hit_gap_reordered" if gap > 0 and system.guard_rolled_back() else "hit_gap"
+            self._log(kind, "guard", path, {"gap": gap, "hits": hits})
 
     def _branch(self, options: Sequence[T], go: Callable[[T], None]) -> None:
         """``go(option)`` for each option, each in a fork but the last (in this process)."""

@@ -18,8 +18,9 @@ as *explained*, never silently passed, and only when the numbers account for it:
 hits, every rollback and preemption the guard made was needed (the audit, or the ideal
 policy's run), so the difference is divergence, not KV the guard dropped; for
 preemptions, the excess is at most stock's bad admissions plus the readers the guard
-preempted to recompute rolled-back blocks. Where stock reads nothing bad, guard and
-stock take the same decisions, and the checks are strict.
+preempted to recompute rolled-back blocks, or it lies wholly on seeds where stock read
+bad KV with every rollback needed. Where stock reads nothing bad, guard and stock take
+the same decisions, and the checks are strict.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class ConfigResult:
     # Where stock read bad KV: steps from the guard's first different decision to
     # stock's first bad read, per seed (negative: the guard parted after it).
     parting_leads: list[int] = field(default_factory=list)
+    # Guard preemptions minus stock's, summed over the seeds where stock read only valid
+    # KV and over those where it read bad KV: where the excess lies.
+    extra_preemptions_clean: int = 0
+    extra_preemptions_where_stock_read_bad_kv: int = 0
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -115,12 +120,16 @@ class ConfigResult:
         if "stock" in runs and "guard" in runs:
             guard, stock = runs["guard"], runs["stock"]
             parted = parting_step(guard, stock)
+            extra = guard.preemptions - stock.preemptions
             if stock.first_violation_step is None:
                 self.clean_seeds += 1
+                self.extra_preemptions_clean += extra
                 if parted is not None:
                     self.parted_seeds.append(seed)
-            elif parted is not None:
-                self.parting_leads.append(stock.first_violation_step - parted)
+            else:
+                self.extra_preemptions_where_stock_read_bad_kv += extra
+                if parted is not None:
+                    self.parting_leads.append(stock.first_violation_step - parted)
 
     def checks(self) -> list[Check]:
         """The acceptance checks that apply to the modes that ran."""
@@ -165,7 +174,12 @@ class ConfigResult:
             )
         if "guard" in totals:
             checks.append(self._decisions_check())
-            checks += _guard_vs_stock(totals["guard"], stock, totals.get("ideal"))
+            checks += _guard_vs_stock(
+                totals["guard"],
+                stock,
+                totals.get("ideal"),
+                (self.extra_preemptions_clean, self.extra_preemptions_where_stock_read_bad_kv),
+            )
         return [*checks, self._drain_check()]
 
     def _decisions_check(self) -> Check:
@@ -285,7 +299,10 @@ def _is_ideal(guard: RunResult, ideal: RunResult | None) -> bool:
 
 
 def _guard_vs_stock(
-    guard: RunResult, stock: RunResult, ideal: RunResult | None = None
+    guard: RunResult,
+    stock: RunResult,
+    ideal: RunResult | None = None,
+    extra_by_seed: tuple[int, int] | None = None,
 ) -> list[Check]:
     """Hits against stock's *valid* hits (stock's others read bad KV), and preemptions.
 
@@ -294,6 +311,14 @@ def _guard_vs_stock(
     audit says so, or the ideal policy's run gets no more hits): then the difference is
     the schedule diverging after those necessary decisions (stock attended over bad KV
     where the guard recomputed), and the detail says how much.
+
+    Preemptions over stock's are explained by stock's bad admissions and the readers the
+    guard preempted, or, given ``extra_by_seed`` (the excess summed over the seeds where
+    stock read only valid KV, and over the others), seed by seed with every rollback
+    needed: on seeds where stock read bad KV the runs part there (a bad read that is no
+    admission, e.g. a resumed request's wrong state, skips no computation, so the first
+    explanation cannot count it), and on the others only eviction order parts them, as
+    the decisions check allows (none of the excess there without rollbacks).
     """
     valid = stock.valid_hit_tokens
     hits_detail = f"{guard.hit_tokens} vs {valid} ({percent(guard.hit_tokens, valid)})"
@@ -318,7 +343,23 @@ def _guard_vs_stock(
             f"; stock skipped recomputation in {stock.bad_admissions} bad admissions, "
             f"the guard preempted {guard.dependents_preempted} readers of rolled-back blocks"
         )
-    if reordered and (extra > 0 or guard.hit_tokens < valid):
+    clean_extra, dirty_extra = extra_by_seed or (extra, 0)
+    # Seed by seed: where stock read bad KV the runs part there; elsewhere only eviction
+    # order parts them, as in the decisions check.
+    clean_reordered = clean_extra > 0 and exact and _reorders(guard)
+    parted_where_bad = (
+        extra > 0 and exact and stock.violations > 0 and (clean_extra <= 0 or clean_reordered)
+    )
+    if extra > 0 and extra_by_seed is not None:
+        pre_detail += (
+            f"; by seed: {clean_extra:+} where stock read only valid KV, {dirty_extra:+} "
+            "where it read bad KV"
+        )
+        if parted_where_bad:
+            pre_detail += " (every rollback needed: the runs part where stock read bad KV)"
+    if (reordered or (parted_where_bad and clean_reordered)) and (
+        extra > 0 or guard.hit_tokens < valid
+    ):
         pre_detail += "; " + EVICTION_ORDER
     return [
         Check(
@@ -328,7 +369,7 @@ def _guard_vs_stock(
         ),
         Check(
             "guard preemptions <= stock",
-            _status(extra <= 0, extra <= explainable or reordered),
+            _status(extra <= 0, extra <= explainable or reordered or parted_where_bad),
             pre_detail,
         ),
     ]
