@@ -148,10 +148,13 @@ def test_preemption_leaves_no_never_written_state_cached(mode: str) -> None:
 
 
 def test_no_resume_from_a_wrong_state(mode: str) -> None:
-    """The 0.33 soak's stock finding on ``hybrid-victim``'s episodes, shrunk: r27 (an n>1
-    twin of r26) starts from a state block that holds another prefix's state. Stock vLLM
-    0.33 reads it; the guard reads no wrong state. On other releases the shrunk schedule
-    need not reach the window, so stock's side is asserted where it does."""
+    """The 0.33 soak's stock finding on ``hybrid-victim``'s episodes, shrunk: the
+    priority-preemption zombie on a state block. Step 110 registers r26's state after 160
+    tokens on block 18 and preempts r26 in the same ``schedule()``; r26 recomputes the chunk
+    into block 39 under the same key; r27 (its n>1 twin) hits 160 tokens and vLLM's index
+    returns block 18 first, never written. Stock vLLM 0.33 reads it; the guard reads no
+    wrong state. On other releases the shrunk schedule need not reach the window, so
+    stock's side is asserted where it does."""
     result = run_workload(HYBRID_WRONG_STATE_0_33, "stock" if mode == "native" else mode)
     if mode == "stock":
         if not result.bad_state_reads:
@@ -159,3 +162,17 @@ def test_no_resume_from_a_wrong_state(mode: str) -> None:
         assert any(kind == STATE_WRONG_CONTENT for *_, kind in result.examples)
     else:
         assert result.violations == 0, result.examples[:5]
+
+
+def test_a_block_copy_carries_the_state_it_holds() -> None:
+    """vLLM 0.33's runner copies a Mamba partial hit's block (copy-on-write,
+    ``SchedulerOutput.kv_cache_block_copies``) before the forward pass: the copy holds what
+    the source held, and a copy of a never-written block holds nothing the oracle trusts."""
+    from vllm_prefix_guard.diagnostics.shadow_kv import ShadowState
+
+    state = ShadowState(group=1, block_size=4, held={3: 111}, written_at={3: 7})
+    state.copy(3, 5)
+    assert (state.held[5], state.written_at[5]) == (111, 7)
+    state.held[6] = 222
+    state.copy(4, 6)
+    assert 6 not in state.held

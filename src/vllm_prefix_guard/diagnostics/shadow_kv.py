@@ -301,6 +301,17 @@ class ShadowState:
         self.written_at[block_id] = step
         self.last_written[read.request_id] = position
 
+    def copy(self, source: int, destination: int) -> None:
+        """The runner copies block ``source`` into ``destination`` before the step's
+        forward pass (vLLM 0.33+: a Mamba partial hit's copy-on-write,
+        ``SchedulerOutput.kv_cache_block_copies``)."""
+        if source in self.held:
+            self.held[destination] = self.held[source]
+            self.written_at[destination] = self.written_at[source]
+        else:
+            self.held.pop(destination, None)
+            self.written_at.pop(destination, None)
+
 
 def poisoned(fingerprint: int) -> int:
     """What a slot holds when its KV was computed over wrong KV: never the right content."""
@@ -491,6 +502,11 @@ class ShadowWorker:
                     blocks.update(read.block_ids[first : last + 1])
             known_failed |= blocks
             known_lost |= requests
+        # vLLM 0.33+: block copies run before the forward pass (a Mamba partial hit's
+        # copy-on-write); only state groups ask for them.
+        for source, destination in getattr(plan.output, "kv_cache_block_copies", None) or ():
+            for state in self.states:
+                state.copy(source, destination)
         bad_state = self._read_states(step, plan)
         for read in plan.reads:
             self._write_computed(read, poison=False)
