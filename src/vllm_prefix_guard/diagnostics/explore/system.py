@@ -414,16 +414,7 @@ class System:
         evicted. Measured on ``hybrid-priority``, vLLM 0.30: the guard undid three
         never-written state and attention entries of a preempted request; a later
         request hit 28 tokens under the guard, 24 in stock."""
-        for lane in self.lanes:
-            if lane.mode == "guard":
-                stats = lane.guard.stats
-                undone = (
-                    stats.rolled_back_preempted
-                    + stats.rolled_back_kv_load_failure
-                    + stats.rolled_back_dropped_step
-                )
-                return undone > 0
-        return False
+        return any(lane.guard.stats.rolled_back > 0 for lane in self.lanes if lane.mode == "guard")
 
     def digest(self) -> int:
         """The state's digest: every lane's state, the explorer's, and what the path

@@ -301,8 +301,8 @@ def _is_ideal(guard: RunResult, ideal: RunResult | None) -> bool:
 def _guard_vs_stock(
     guard: RunResult,
     stock: RunResult,
-    ideal: RunResult | None = None,
-    extra_by_seed: tuple[int, int] | None = None,
+    ideal: RunResult | None,
+    extra_by_seed: tuple[int, int],
 ) -> list[Check]:
     """Hits against stock's *valid* hits (stock's others read bad KV), and preemptions.
 
@@ -313,7 +313,7 @@ def _guard_vs_stock(
     where the guard recomputed), and the detail says how much.
 
     Preemptions over stock's are explained by stock's bad admissions and the readers the
-    guard preempted, or, given ``extra_by_seed`` (the excess summed over the seeds where
+    guard preempted, or, from ``extra_by_seed`` (the excess summed over the seeds where
     stock read only valid KV, and over the others), seed by seed with every rollback
     needed: on seeds where stock read bad KV the runs part there (a bad read that is no
     admission, e.g. a resumed request's wrong state, skips no computation, so the first
@@ -343,14 +343,14 @@ def _guard_vs_stock(
             f"; stock skipped recomputation in {stock.bad_admissions} bad admissions, "
             f"the guard preempted {guard.dependents_preempted} readers of rolled-back blocks"
         )
-    clean_extra, dirty_extra = extra_by_seed or (extra, 0)
+    clean_extra, dirty_extra = extra_by_seed
     # Seed by seed: where stock read bad KV the runs part there; elsewhere only eviction
     # order parts them, as in the decisions check.
     clean_reordered = clean_extra > 0 and exact and _reorders(guard)
     parted_where_bad = (
         extra > 0 and exact and stock.violations > 0 and (clean_extra <= 0 or clean_reordered)
     )
-    if extra > 0 and extra_by_seed is not None:
+    if extra > 0:
         pre_detail += (
             f"; by seed: {clean_extra:+} where stock read only valid KV, {dirty_extra:+} "
             "where it read bad KV"
