@@ -7,8 +7,8 @@ resumes from the block registered for the hit). These tests pin that the oracle 
 state through valid hits without a false alarm, and that it sees a resume from a state
 that was never written: the shape of vLLM PR #56525's report (async scheduling, an
 aborted prefill retried at once, a worker that leaves the aborted request out of the step
-already dispatched), which the guard does not cover today (it assumes, as vLLM's runners
-do, that a dispatched step computes every request in it).
+already dispatched), which the guard closes by trusting the step's output: a request the
+output leaves out is rolled back as a failed KV load.
 """
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ from typing import Any
 import pytest
 
 from layouts import HYBRID_WRONG_STATE_0_33
+from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, expand
 from vllm_prefix_guard.diagnostics.shadow_kv import (
-    STATE_NEVER_WRITTEN,
+    NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
     Driver,
 )
+from vllm_prefix_guard.hooks import guard_of
+from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 
 PROMPT = list(range(1, 161))  # ten 16-token blocks: prefilled in 64-token chunks
 
@@ -71,13 +74,45 @@ def test_retry_of_an_aborted_prefill_resumes_from_its_state(mode: str) -> None:
 
 
 def test_oracle_sees_a_resume_from_never_written_state() -> None:
-    """A worker that drops the aborted request: the state block registered for its
-    64 tokens is never written, and the retry starts from it (stock vLLM)."""
+    """A worker that drops the aborted request: the KV and state registered for its 64
+    tokens are never written. The retry's step dispatched before A's step reported
+    (its output leaves A out) is the known loss of that report, as a failed load's; in
+    every later step stock's retry computes on: it reads the never-written KV, and
+    resumes from the state it computed over A's never-written one (stock vLLM)."""
     driver = retried_abort(drop_aborted=True)
-    assert driver.kv.counts[STATE_NEVER_WRITTEN] > 0
-    assert any(
-        v.request_id == "A-retry" and v.kind == STATE_NEVER_WRITTEN for v in driver.kv.violations
-    )
+    assert driver.kv.counts[NEVER_WRITTEN] > 0 and driver.kv.counts[STATE_WRONG_CONTENT] > 0
+    assert {v.request_id for v in driver.kv.violations} == {"A-retry"}
+    assert min(v.step for v in driver.kv.violations) == 2
+
+
+def test_a_request_the_output_leaves_out_is_rolled_back(mode: str) -> None:
+    """The same worker, both ways: stock's retry computes on over A's never-written KV
+    and state; the guard sees A missing from its step's output, removes what that step
+    registered for A and preempts the retry, which was admitted on A's KV and state in
+    the step in flight after it (its output of that step is dropped, it recomputes, and
+    reads nothing bad)."""
+    driver = retried_abort(drop_aborted=True)
+    if mode == "stock":
+        assert driver.kv.counts[NEVER_WRITTEN] > 0
+        return
+    assert driver.violations == 0, dict(driver.kv.counts)
+    guard = guard_of(driver.scheduler)
+    if guard is None:  # vLLM's own fix (the upstream series): no counters to read
+        return
+    assert guard.stats.rolled_back_not_computed > 0
+    assert guard.stats.dependents_preempted == 1
+
+
+@guard_only("it takes the not-computed rule out of the guard")
+def test_the_guard_without_its_not_computed_rule_reads_never_written_kv(
+    guard: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule's teeth: the guard that committed a step's record whole (before the rule)
+    lets the retry compute on over A's never-written KV and state, as stock does."""
+    monkeypatch.setattr(SchedulerGuard, "not_computed", lambda self, output, result: None)
+    driver = retried_abort(drop_aborted=True)
+    assert driver.kv.counts[NEVER_WRITTEN] > 0 and driver.kv.counts[STATE_WRONG_CONTENT] > 0
+    assert {v.request_id for v in driver.kv.violations} == {"A-retry"}
 
 
 def cached_states_not_held(driver: Driver, expected: dict[Any, int]) -> int:

@@ -186,6 +186,9 @@ HALF_SIMILAR: dict[str, dict[str, Any]] = {
     "not wired into the scheduler": {"wired": False},
     "the commit fence without the failed-load rollback": {"failed_kv_loads": False},
     "parts 1-2 without the KV-event rule": {"kv_events": False},
+    "parts 1-3 without the not-computed rule": {
+        "methods": {k: v for k, v in METHODS.items() if k != "gather_not_computed"}
+    },
 }
 
 

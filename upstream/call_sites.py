@@ -349,3 +349,36 @@ KV_EVENTS: tuple[Edit, ...] = (
                 BlockRemoved(""",
     ),
 )
+
+#: Part 4, requests an output leaves out: a worker that drops a request from a step it
+#: was given (one aborted meanwhile) writes none of the KV or state the step registered
+#: for it. Before vLLM reads the output, its entries go as a failed load's, and the
+#: readers are preempted then, so that vLLM drops their output of this step too.
+NOT_COMPUTED: tuple[Edit, ...] = (
+    Edit(
+        SCHEDULER,
+        """                {request.request_id for request in self.running},
+            )
+
+        # Every GPU write enqueued by this and earlier steps has completed, so it is
+""",
+        """                {request.request_id for request in self.running},
+            )
+        if self.uncommitted_prefix_cache is not None:
+            # Requests the output leaves out were not computed.
+            not_computed = self.uncommitted_prefix_cache.gather_not_computed(
+                scheduler_output, model_runner_output.req_id_to_index
+            )
+            if not_computed:
+                self._preempt_bad_kv_readers(
+                    self.uncommitted_prefix_cache.rollback_failed_loads(
+                        scheduler_output,
+                        not_computed,
+                        {request.request_id for request in self.running},
+                    )
+                )
+
+        # Every GPU write enqueued by this and earlier steps has completed, so it is
+""",
+    ),
+)

@@ -38,7 +38,7 @@ PARTS_DIR = HERE / "parts"
 SERIES_DIR = HERE / "series"
 sys.path.insert(0, str(HERE))
 
-from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, KV_EVENTS, Edit  # noqa: E402
+from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, KV_EVENTS, NOT_COMPUTED, Edit  # noqa: E402
 
 #: Where each rules module lives in vLLM (its import lines are rewritten to these).
 VLLM_MODULES = {
@@ -120,6 +120,8 @@ class Part:
 
 #: Members of the rules that part 2 adds to part 1's module.
 FAILED_LOAD_MEMBERS = ("UncommittedPrefixCache.rollback_failed_loads",)
+#: Members of the rules that part 4 adds to that module.
+NOT_COMPUTED_MEMBERS = ("UncommittedPrefixCache.gather_not_computed",)
 
 PARTS: tuple[Part, ...] = (
     Part(
@@ -136,7 +138,7 @@ PARTS: tuple[Part, ...] = (
                 "BlockPool",
                 "_insert_block_hash",
             ),
-            NewModule("uncommitted", omit=FAILED_LOAD_MEMBERS),
+            NewModule("uncommitted", omit=FAILED_LOAD_MEMBERS + NOT_COMPUTED_MEMBERS),
         ),
         tests=("tests/v1/core/test_uncommitted_prefix_cache.py",),
     ),
@@ -147,7 +149,7 @@ PARTS: tuple[Part, ...] = (
         FAILED_KV_LOADS,
         (
             NewModule("failed_kv_loads"),
-            NewModule("uncommitted"),
+            NewModule("uncommitted", omit=NOT_COMPUTED_MEMBERS),
             Methods(
                 "block_pool",
                 "BlockPoolAdditions",
@@ -180,6 +182,14 @@ PARTS: tuple[Part, ...] = (
             ),
         ),
         tests=("tests/v1/core/test_kv_events_duplicate_blocks.py",),
+    ),
+    Part(
+        4,
+        "roll-back-requests-an-output-leaves-out",
+        "[Core][Bugfix] Roll back the prefix-cache entries of requests a step's output leaves out",
+        NOT_COMPUTED,
+        (NewModule("uncommitted"),),
+        tests=("tests/v1/core/test_not_computed_rollback.py",),
     ),
 )
 
@@ -218,7 +228,8 @@ def _rewrite_imports(lines: list[str], tree: ast.Module) -> list[str]:
             f"from {node.module} import", f"from {VLLM_MODULES[node.module]} import"
         )
         out[start:end] = [text] + [""] * (end - start - 1)
-    out = [line for line in out if line != ""]
+    # One element per line again (a rewritten import spans several).
+    out = "".join(out).splitlines(keepends=True)
     # One first-party block: the top-level `from vllm...` lines, sorted by module.
     top = [
         node
@@ -263,8 +274,9 @@ def vllm_module_text(module: str, omit: Iterable[str] = ()) -> str:
 
 
 def _drop_unused_imports(lines: list[str]) -> list[str]:
-    """Drop the top-level ``from ... import`` statements none of whose names the rest of
-    the module uses."""
+    """Drop the names of top-level ``from ... import`` statements that the rest of the
+    module does not use (a statement left with none goes; one left with some is written
+    on one line)."""
     tree = ast.parse("".join(lines))
     used = {
         node.id
@@ -276,9 +288,15 @@ def _drop_unused_imports(lines: list[str]) -> list[str]:
     out = list(lines)
     for node in reversed(tree.body):
         if isinstance(node, ast.ImportFrom):
-            names = {alias.asname or alias.name for alias in node.names}
-            if not names & used:
-                del out[node.lineno - 1 : node.end_lineno]
+            kept = [alias for alias in node.names if (alias.asname or alias.name) in used]
+            if len(kept) == len(node.names):
+                continue
+            text = [
+                f"from {node.module} import "
+                + ", ".join(ast.unparse(alias) for alias in kept)
+                + "\n"
+            ]
+            out[node.lineno - 1 : node.end_lineno] = text if kept else []
     return out
 
 

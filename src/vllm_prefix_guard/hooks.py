@@ -7,8 +7,9 @@
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
     Scheduler._update_waiting_for_remote_kv
                                     record nothing: a connector finished loading that KV
-    Scheduler.update_from_output    roll back failed KV loads first; after it, preempt
-                                    the readers of bad KV and commit the step
+    Scheduler.update_from_output    roll back failed KV loads first, and what the output
+                                    says was not computed (preempting its readers); after
+                                    it, preempt the readers of bad KV and commit the step
     Scheduler.reset_prefix_cache    drop every record once the pool was reset
     Scheduler.shutdown              one summary line with the counters, last JSON write
 
@@ -187,6 +188,7 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
         if kv_output is not None and kv_output.invalid_block_ids:
             # Before the original: it may fail or free the requests involved.
             rollback = guard.loads_failed(scheduler_output, kv_output.invalid_block_ids)
+        guard.not_computed(scheduler_output, model_runner_output)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         if rollback is not None:
             guard.preempt_bad_kv_readers(rollback)

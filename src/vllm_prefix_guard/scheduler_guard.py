@@ -77,10 +77,24 @@ class SchedulerGuard:
         self.stats.rolled_back_kv_load_failure += self.pool.guard_removed - removed
         return rollback
 
+    def not_computed(self, output: Any, model_runner_output: Any) -> None:
+        """``update_from_output`` got ``output``'s ``ModelRunnerOutput``; before vLLM reads
+        it. A request the output leaves out was not computed (a worker dropped it): roll
+        its entries of the step back as a failed load's, and preempt their readers now,
+        so that vLLM drops their output of this step with the rest of it."""
+        blocks = self.rules.gather_not_computed(output, model_runner_output.req_id_to_index)
+        if not blocks:
+            return
+        removed = self.pool.guard_removed
+        running = {request.request_id for request in self.scheduler.running}
+        rollback = self.rules.rollback_failed_loads(output, blocks, running)
+        self.stats.rolled_back_not_computed += self.pool.guard_removed - removed
+        self.preempt_bad_kv_readers(rollback)
+
     def preempt_bad_kv_readers(self, rollback: FailedKVLoads) -> None:
-        """After vLLM handled the failed loads: every running request that still counts
-        bad KV as computed recomputes it (its in-flight output dropped, as
-        ``reset_prefix_cache`` does)."""
+        """Every running request that still counts bad KV as computed recomputes it (its
+        in-flight output dropped, as ``reset_prefix_cache`` does). For failed loads, after
+        vLLM handled them; for requests an output left out, before vLLM reads it."""
         if not rollback.loaders and not rollback.readers:
             return
         scheduler = self.scheduler
@@ -132,7 +146,7 @@ class SchedulerGuard:
         if first:
             logger().warning(
                 "vllm-prefix-guard: preempted %d request(s) that counted KV of a failed load "
-                "(or computed over it) as computed; they recompute (logged once per "
-                "scheduler).",
+                "or of a request its worker did not compute (or KV computed over it) as "
+                "computed; they recompute (logged once per scheduler).",
                 preempted,
             )

@@ -127,6 +127,8 @@ class StepPlan:
     loads: list[Any]
     # How many load-failure reports the worker had made when this step was scheduled.
     reports_before: int = 0
+    # Reads the worker left out (``Driver.drop_aborted``): the step's output omits them.
+    dropped: list[ScheduledRead] = field(default_factory=list)
 
 
 @dataclass
@@ -289,14 +291,21 @@ class ShadowState:
         held = None if block_id is None else self.held.get(block_id)
         return block_id, held, held == read.model.fingerprint(start - 1)
 
+    def position_written(self, read: ScheduledRead) -> int:
+        """The position of the block ``read``'s step writes the state after its last
+        token into."""
+        return -(-(read.start + read.num_tokens) // self.block_size) - 1
+
+    def block_written(self, read: ScheduledRead) -> int | None:
+        return read.state_block_ids[self.index][self.position_written(read)]
+
     def write(self, read: ScheduledRead, poison: bool, step: int) -> None:
         """The state after ``read``'s last token, into the block for that position, by the
         step numbered ``step``."""
-        end = read.start + read.num_tokens
-        position = -(-end // self.block_size) - 1
+        position = self.position_written(read)
         block_id = read.state_block_ids[self.index][position]
         assert block_id is not None, "vLLM gave the step's state no block"
-        fingerprint = read.model.fingerprint(end - 1)
+        fingerprint = read.model.fingerprint(read.start + read.num_tokens - 1)
         self.held[block_id] = poisoned(fingerprint) if poison else fingerprint
         self.written_at[block_id] = step
         self.last_written[read.request_id] = position
@@ -438,10 +447,25 @@ class ShadowWorker:
                 poisoned(fingerprint) if poison else fingerprint,
             )
 
-    def _read_states(self, step: int, plan: StepPlan) -> set[str]:
+    def _not_written(self, dropped: list[ScheduledRead]) -> tuple[set[int], set[str]]:
+        """(The KV and state blocks ``dropped`` reads were to write, their requests)."""
+        blocks: set[int] = set()
+        size = self.block_size
+        for read in dropped:
+            if read.num_tokens:
+                first, last = read.start // size, (read.start + read.num_tokens - 1) // size
+                blocks.update(read.block_ids[first : last + 1])
+            for state in self.states:
+                block_id = state.block_written(read)
+                if block_id is not None:
+                    blocks.add(block_id)
+        return blocks, {read.request_id for read in dropped}
+
+    def _read_states(self, step: int, plan: StepPlan, known_failed: set[int]) -> set[str]:
         """Check the state each request of ``plan`` starts from, in every state group,
         before the step writes any (the runner copies it into place before the forward
-        pass); return the requests that started from a wrong one."""
+        pass); return the requests that started from a wrong one. A wrong state in a
+        block of ``known_failed`` is a known loss: not counted."""
         bad: set[str] = set()
         output = plan.output
         for state in self.states:
@@ -452,6 +476,8 @@ class ShadowWorker:
                 if right:
                     continue
                 bad.add(read.request_id)
+                if block_id in known_failed:
+                    continue
                 kind = STATE_NEVER_WRITTEN if held is None else STATE_WRONG_CONTENT
                 self.kv.counts[kind] += 1
                 if len(self.kv.violations) < 100:
@@ -485,6 +511,11 @@ class ShadowWorker:
             # A copy: the report grows below (what the failing request computes), and
             # `invalid` goes to vLLM in this step's output, which must not.
             self.failure_reports.append((set(invalid), failed_requests))
+        if plan.dropped:
+            # The output leaves these requests out: vLLM learns there that the KV and
+            # state they were to write in this step are not written, as it learns of a
+            # failed load; reads of them in steps dispatched before are a known loss.
+            self.failure_reports.append(self._not_written(plan.dropped))
         # Failed loads reported after this step was dispatched: vLLM learns of them at
         # the report and recomputes; reads of those blocks, and every read of the request
         # whose load failed, are its known loss in this step, not a prefix-cache hit. So
@@ -507,7 +538,7 @@ class ShadowWorker:
         for source, destination in getattr(plan.output, "kv_cache_block_copies", None) or ():
             for state in self.states:
                 state.copy(source, destination)
-        bad_state = self._read_states(step, plan)
+        bad_state = self._read_states(step, plan, known_failed)
         for read in plan.reads:
             self._write_computed(read, poison=False)
         # KV of a token is computed from attention over its prefix (from the second
@@ -561,8 +592,9 @@ class Driver:
     vLLM's runners compute every request of a dispatched step, aborted or not (a request
     leaves the input batch only when a later step lists it as finished). With
     ``drop_aborted`` the worker instead leaves an aborted request out of the steps
-    already dispatched (the worker of vLLM PR #56525's report): whatever those steps
-    registered for it is never written.
+    already dispatched and not yet executed, from the moment the scheduler has the abort
+    (the worker of vLLM PR #56525's report): whatever those steps registered for it is
+    never written, and their outputs leave it out.
 
     The scheduler's own calls go through :meth:`call_schedule` and :meth:`call_update`
     only, so a subclass can time (or count) them alone, with the worker and this loop's
@@ -606,14 +638,22 @@ class Driver:
         """Abort ``request_id`` at the next update, or ``at_once``: before the next
         ``schedule()``, as ``EngineCore`` does with an abort that arrives between steps."""
         if at_once:
-            from vllm.v1.request import RequestStatus
-
-            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            self._finish_aborted([request_id])
         else:
             self.pending_aborts.append(request_id)
+
+    def _finish_aborted(self, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` in the scheduler; with ``drop_aborted`` the worker then
+        leaves them out of the steps in flight (it can learn of an abort only once the
+        scheduler has it: the next step lists the request as finished)."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         if self.drop_aborted:
+            dropped = set(request_ids)
             for plan in self.in_flight:
-                plan.reads = [read for read in plan.reads if read.request_id != request_id]
+                plan.dropped += [read for read in plan.reads if read.request_id in dropped]
+                plan.reads = [read for read in plan.reads if read.request_id not in dropped]
 
     def call_schedule(self) -> Any:
         """``scheduler.schedule()``, the only place this loop calls it."""
@@ -646,9 +686,7 @@ class Driver:
         plan = self.in_flight.popleft()
         result = self.worker.execute(plan)
         if self.pending_aborts:
-            from vllm.v1.request import RequestStatus
-
-            self.scheduler.finish_requests(self.pending_aborts, RequestStatus.FINISHED_ABORTED)
+            self._finish_aborted(self.pending_aborts)
             self.pending_aborts = []
         self.call_update(plan.output, result)
         return result

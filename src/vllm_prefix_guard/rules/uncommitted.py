@@ -41,14 +41,17 @@ cannot be reused while the step is in flight.
 Cost: O(1) per step and per registration; a removal is O(entries removed).
 """
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
-from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
+from vllm_prefix_guard.rules.failed_kv_loads import (
+    FailedKVLoads,
+    first_computed_tokens,
+)
 
 
 class UncommittedPrefixCache:
@@ -176,6 +179,60 @@ class UncommittedPrefixCache:
         rollback = FailedKVLoads(self, running_req_ids)
         rollback.roll_back(scheduler_output, invalid_block_ids)
         return rollback
+
+    def gather_not_computed(
+        self, scheduler_output: SchedulerOutput, computed_req_ids: Collection[str]
+    ) -> set[int]:
+        """Find the requests of the step of `scheduler_output` that its output
+        leaves out, and move their entries of the later steps in flight into
+        this step's record; return the blocks of those whose KV or state is not
+        written.
+
+        vLLM's runners compute every request of a step they were given, one
+        aborted meanwhile included (it leaves the batch only when a later step
+        lists it as finished), and list exactly those in their output;
+        `update_from_output` looks up every request it has not seen finish. So
+        an output can only leave out a request that finished while the step
+        was in flight, and then only from a worker that dropped it from the
+        steps it had been given: nothing they registered for it past the
+        tokens it had computed before this step is written (a later step may
+        have registered a block whose last token this step was to compute), and
+        a request admitted on a hit of it, in this step or one in flight after
+        it, read or will read it. The caller rolls these blocks back as a
+        failed KV load's (`rollback_failed_loads`), from this step on, where
+        the request's entries now are. Steps with no tokens scheduled (the
+        empty output, a KV-connector-only step) register nothing, and an
+        output `schedule()` did not produce has no record.
+
+        Args:
+            scheduler_output: The step whose output came back.
+            computed_req_ids: The requests the output lists
+                (`ModelRunnerOutput.req_id_to_index`).
+
+        Returns:
+            The blocks, empty if the output lists every request of the step
+            (O(1); else O(requests of the step + their entries)).
+
+        """
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        if len(computed_req_ids) >= len(num_scheduled_tokens):
+            return set()
+        record = self._in_flight.get(id(scheduler_output))
+        if record is None:
+            return set()
+        steps = list(self._in_flight.values())
+        index = next(i for i, (output, _) in enumerate(steps) if output is record[0])
+        entries = record[1]
+        starts = first_computed_tokens(scheduler_output)
+        not_computed: set[int] = set()
+        for req_id in num_scheduled_tokens:
+            if req_id in computed_req_ids:
+                continue
+            for _, later in steps[index + 1 :]:
+                self.keep(entries, req_id, later.pop(req_id, []))
+            _, unwritten = self.split_written(entries.get(req_id, []), starts[req_id])
+            not_computed.update(block.block_id for _, block, _ in unwritten)
+        return not_computed
 
     @staticmethod
     def split_written(

@@ -54,6 +54,8 @@ LOADER = "kv_load_failure: loader, failing step"
 LOADER_LATER = "kv_load_failure: loader, later step in flight"
 READER = "kv_load_failure: reader, computed over bad KV"
 DROPPED_STEP = "dropped_step"
+# A request the step's output left out: rolled back as a failed load (rows "not_computed:").
+NOT_COMPUTED = "not_computed"
 ABANDONED_STEP = "abandoned_step"
 
 VALID, NEVER_WRITTEN, WRONG, FAILED_LOAD, LEFTOVER, STALE, UNKNOWN = (
@@ -159,6 +161,8 @@ class RollbackAudit(UncommittedPrefixCache):
         self._admitted_at: dict[str, int] = {}
         # The rule removing entries right now (set around each rule call).
         self.cause = ""
+        # Whether the failed-load rollback running is the not-computed rule's.
+        self.not_computed = False
         worker = driver.worker
         execute = worker.execute
 
@@ -192,6 +196,12 @@ class RollbackAudit(UncommittedPrefixCache):
         self.cause = PREEMPTED
         super().rollback_preempted(req_id, num_written_tokens)
 
+    def gather_not_computed(self, scheduler_output: Any, computed_req_ids: Any) -> set[int]:
+        blocks = super().gather_not_computed(scheduler_output, computed_req_ids)
+        # The failed-load rollback that follows is this rule's: its rows say so.
+        self.not_computed = bool(blocks)
+        return blocks
+
     def rollback_failed_loads(
         self, scheduler_output: Any, invalid_block_ids: set[int], running_req_ids: set[str]
     ) -> FailedKVLoads:
@@ -201,6 +211,7 @@ class RollbackAudit(UncommittedPrefixCache):
         rollback = self.failed_kv_loads(running_req_ids)
         rollback.roll_back(scheduler_output, invalid_block_ids)
         rollback.readers = self.preempting_readers(rollback.readers)
+        self.not_computed = False
         return rollback
 
     def failed_kv_loads(self, running_req_ids: set[str]) -> FailedKVLoads:
@@ -402,7 +413,10 @@ class AuditedFailedKVLoads(FailedKVLoads):
 
     def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
         # Called by the walk itself for a request tainted since an earlier step.
-        self.uncommitted.cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
+        cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
+        if self.uncommitted.not_computed:
+            cause = cause.replace("kv_load_failure", NOT_COMPUTED)
+        self.uncommitted.cause = cause
         return super()._remove_bad(req_id, entries)
 
 

@@ -14,6 +14,7 @@ against a realistic volume of valid hits that is the small fraction it is in pra
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,8 @@ class FuzzConfig:
     system_prompt_blocks: int = 0
     # Stock vLLM must show violations here.
     targeted: bool = False
+    # The worker drops aborted requests from steps in flight (``Workload.drop_aborted``).
+    drop_aborted: bool = False
 
     @property
     def fails_kv_loads(self) -> bool:
@@ -72,7 +75,7 @@ class FuzzConfig:
         if self.failed_loads is not None:
             rng = random.Random(f"{self.name}/{seed}/failed_loads")
             events += failed_load_episodes(rng, self.failed_loads, horizon, size, system)
-        return Workload(self.spec, self.depth, tuple(events))
+        return Workload(self.spec, self.depth, tuple(events), self.drop_aborted)
 
 
 def _spec(**overrides: Any) -> SchedulerSpec:
@@ -262,3 +265,16 @@ CONFIGS: dict[str, FuzzConfig] = {
         ),
     )
 }
+
+# The worker of vLLM PR #56525's report on hybrid-retry-async's traffic: vLLM's runners
+# compute every request of a dispatched step; this one leaves an aborted request out, so
+# nothing that step registered for it is written. The guard trusts the step's output
+# (a request it leaves out is rolled back as a failed load), so it must read nothing bad.
+CONFIGS["hybrid-retry-async-drop"] = dataclasses.replace(
+    CONFIGS["hybrid-retry-async"],
+    name="hybrid-retry-async-drop",
+    description="as hybrid-retry-async, with a worker that leaves an aborted request out "
+    "of the steps already dispatched (vLLM PR #56525's worker)",
+    targeted=True,
+    drop_aborted=True,
+)

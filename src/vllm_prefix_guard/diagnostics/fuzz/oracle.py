@@ -84,9 +84,13 @@ class MeteredDriver(Driver):
     """
 
     def __init__(
-        self, scheduler: Any, depth: int, sample: Callable[[str, int], int] | None = None
+        self,
+        scheduler: Any,
+        depth: int,
+        sample: Callable[[str, int], int] | None = None,
+        drop_aborted: bool = False,
     ) -> None:
-        super().__init__(scheduler, depth, sample)
+        super().__init__(scheduler, depth, sample, drop_aborted)
         self.worker.kv = self.fuzz_kv = FuzzKV(self.worker.block_size)
         # With KV events on: a consumer replayed from them, checked after every step.
         self.events = KVEventReplay(scheduler) if KVEventReplay.enabled(scheduler) else None

@@ -84,6 +84,7 @@ class RunResult:
     rolled_back_in_flight: int = 0
     rolled_back_kv_load_failure: int = 0
     rolled_back_dropped_step: int = 0
+    rolled_back_not_computed: int = 0
     dependents_preempted: int = 0
     peak_uncommitted_entries: int = 0
     # Reads not checked: their step held a block whose failed load vLLM then reported.
@@ -179,7 +180,7 @@ def run_workload(
     started = time.perf_counter()
     with guard_state(mode != "stock"):
         scheduler = make_scheduler(workload.spec)
-        driver = MeteredDriver(scheduler, workload.depth)
+        driver = MeteredDriver(scheduler, workload.depth, drop_aborted=workload.drop_aborted)
         rules: UncommittedPrefixCache | None = None
         if guard_of(scheduler) is not None:
             if mode == "pr43569":
@@ -338,6 +339,7 @@ def _result(
         result.rolled_back_preempted = stats.rolled_back_preempted
         result.rolled_back_kv_load_failure = stats.rolled_back_kv_load_failure
         result.rolled_back_dropped_step = stats.rolled_back_dropped_step
+        result.rolled_back_not_computed = stats.rolled_back_not_computed
         result.dependents_preempted = stats.dependents_preempted
         result.peak_uncommitted_entries = stats.peak_uncommitted_entries
     return result
