@@ -21,6 +21,9 @@ from typing import Any
 
 from guard_demo.server import http_get_text
 
+# The ``cause`` label of ``vllm:prefix_guard_rollbacks_total`` -> the counter key.
+from vllm_prefix_guard.metrics import ROLLBACK_CAUSES
+
 __all__ = [
     "GUARD_PREFIX",
     "MetricsSnapshot",
@@ -43,12 +46,6 @@ GUARD_SAMPLES = {
     "stale_records_skipped_total": "stale_entries_skipped",
     "dependents_preempted_total": "dependents_preempted",
     "uncommitted_entries": "uncommitted_entries",
-}
-#: The ``cause`` label of ``vllm:prefix_guard_rollbacks_total`` -> the counter key.
-ROLLBACK_CAUSES = {
-    "preempted": "rolled_back_preempted",
-    "kv_load_failure": "rolled_back_kv_load_failure",
-    "dropped_step": "rolled_back_dropped_step",
 }
 
 Labels = tuple[tuple[str, str], ...]

@@ -65,6 +65,7 @@ from guard_demo.server import (
     shutdown_problems,
 )
 from guard_demo.workload import make_workload, run_workload
+from vllm_prefix_guard.metrics import ROLLBACK_CAUSES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -276,7 +277,8 @@ def test_guard_series_once_per_engine_with_vllm_labels(observed: Observed) -> No
             "vllm:prefix_guard_uncommitted_entries",
         }
         for name, seen in by_name.items():
-            per_engine = 3 if name == "vllm:prefix_guard_rollbacks_total" else 1  # 3 causes
+            # One series per rollback cause.
+            per_engine = len(ROLLBACK_CAUSES) if name == "vllm:prefix_guard_rollbacks_total" else 1
             assert sorted(seen) == sorted(engines * per_engine), (name, seen)
     # Every engine served requests and tracked registrations.
     by_engine = guard_counters_by_engine(observed.guarded_scrapes[0])
