@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_vllm()
     failed = False
     for name, config in CONFIGS.items():
+        if config.unavailable():
+            print(f"{name}: not run: {config.unavailable()}")
+            continue
         if config.drop_aborted:
             totals = {"stock": 0, "guard without the rule": 0, "guard": 0}
             for seed in range(args.seeds):

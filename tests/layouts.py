@@ -307,3 +307,76 @@ PARTIAL_FAILED_LOADS = Workload(
         Arrive(3, "r3", ((100, 4), (1003, 4)), 1),
     ),
 )
+
+
+# ``hybrid-partial-kv-load-async`` (vLLM 0.33, seed 5), shrunk: a hybrid model whose state
+# block spans four attention blocks, asynchronous loads around it. Step 49's
+# ``schedule()`` gives r11 the chunk that ends at 192 tokens, registers its state block for
+# 192 (block 43, which held another request's state: state blocks are not zeroed) and
+# preempts r11 in the same call; r11 resumes in step 50 on its own zombie entry.
+HYBRID_PARTIAL_ZOMBIE_STATE = Workload(
+    spec=SchedulerSpec(
+        num_blocks=48,
+        max_model_len=4096,
+        policy="priority",
+        long_prefill_token_threshold=64,
+        async_scheduling=True,
+        kv_load_failure_policy="recompute",
+        mamba_align=True,
+        mamba_block_multiple=4,
+    ),
+    depth=2,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 167)), max_tokens=1, priority=2),
+        Arrive(
+            9,
+            "r1",
+            prompt=((1000, 32), (3000, 74), (4000, 16)),
+            max_tokens=23,
+            external_tokens=106,
+            fail_load=True,
+            async_load_steps=3,
+        ),
+        Arrive(13, "r2", prompt=((1000, 32), (2000, 167), (5000, 90)), max_tokens=23),
+        Arrive(18, "r3", prompt=((1000, 32), (6000, 96)), max_tokens=1, priority=2),
+        Arrive(
+            18,
+            "r4",
+            prompt=((1000, 32), (7000, 128), (8000, 11)),
+            max_tokens=2,
+            external_tokens=160,
+            async_load_steps=1,
+        ),
+        Arrive(19, "r5", prompt=((1000, 32), (9000, 110)), max_tokens=4),
+        Arrive(24, "r6", prompt=((1000, 32), (6000, 193)), max_tokens=6),
+        Arrive(
+            25,
+            "r7",
+            prompt=((1000, 32), (10000, 203), (11000, 91)),
+            max_tokens=4,
+            external_tokens=235,
+            async_load_steps=1,
+        ),
+        Arrive(
+            26,
+            "r8",
+            prompt=((1000, 32), (3000, 74), (12000, 44)),
+            max_tokens=2,
+            priority=3,
+            external_tokens=106,
+            async_load_steps=3,
+        ),
+        Arrive(
+            34,
+            "r9",
+            prompt=((1000, 32), (2000, 167), (13000, 34)),
+            max_tokens=1,
+            priority=3,
+            external_tokens=199,
+            async_load_steps=3,
+        ),
+        Arrive(44, "r10", prompt=((1000, 32), (14000, 43)), max_tokens=4, priority=3),
+        Arrive(50, "r11", prompt=((1000, 32), (2000, 167)), max_tokens=1, priority=3),
+        Arrive(50, "r12", prompt=((1000, 32), (2000, 167)), max_tokens=1, priority=3),
+    ),
+)

@@ -25,3 +25,25 @@ def test_async_scheduler_is_configured_as_a_gpu_engine_builds_it(async_schedulin
     assert config.max_concurrent_batches == (2 if async_scheduling else 1)
     assert scheduler.defer_block_free is async_scheduling
     assert type(scheduler).__name__ == ("AsyncScheduler" if async_scheduling else "Scheduler")
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_hybrid_scheduler_steps_in_state_blocks_and_hashes_in_attention_blocks(
+    multiple: int,
+) -> None:
+    """A hybrid model's cache block is its state block (vLLM's ``MambaModelConfig`` sets
+    ``mamba_block_size`` to it, and the scheduler ends prefill chunks on it); the
+    attention group hashes finer, so with a larger state block a prefix hit can end
+    inside one (``enable_partial_hash_hits``)."""
+    scheduler = make_scheduler(SchedulerSpec(mamba_align=True, mamba_block_multiple=multiple))
+    cache_config = scheduler.vllm_config.cache_config
+    state_block_size = 16 * multiple
+    assert cache_config.block_size == cache_config.mamba_block_size == state_block_size
+    manager = scheduler.kv_cache_manager
+    assert scheduler.block_size == state_block_size
+    assert [g.kv_cache_spec.block_size for g in scheduler.kv_cache_config.kv_cache_groups] == [
+        16,
+        state_block_size,
+    ]
+    partial_hits = getattr(manager.coordinator, "enable_partial_hash_hits", False)
+    assert partial_hits is (multiple > 1)

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from layouts import HYBRID_WRONG_STATE_0_33
+from layouts import HYBRID_PARTIAL_ZOMBIE_STATE, HYBRID_WRONG_STATE_0_33
 from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
@@ -195,6 +196,25 @@ def test_no_resume_from_a_wrong_state(mode: str) -> None:
         if not result.bad_state_reads:
             pytest.skip("this shrunk schedule reaches the window on vLLM 0.33's scheduler only")
         assert any(kind == STATE_WRONG_CONTENT for *_, kind in result.examples)
+    else:
+        assert result.violations == 0, result.examples[:5]
+
+
+def test_no_resume_from_an_own_zombie_state_block(mode: str) -> None:
+    """The fuzzer's stock finding on ``hybrid-partial-kv-load-async`` (vLLM 0.33 seed 5,
+    0.32 seed 4), shrunk: the priority-preemption zombie on a state block that spans four
+    attention blocks. The preempted request resumes on the entry its own preemption left,
+    and starts from the state a previous tenant left in the block. Stock vLLM 0.32 and
+    0.33 read it; the guard rolls the entry back with the preemption. Where this vLLM's
+    partial state hits are unsound (``capabilities``), the shrunk schedule is not
+    judged."""
+    reason = partial_state_hits_unsound()
+    if reason is not None:
+        pytest.skip(reason)
+    result = run_workload(HYBRID_PARTIAL_ZOMBIE_STATE, "stock" if mode == "native" else mode)
+    if mode == "stock":
+        _, request_id, position, _, kind = result.examples[0]
+        assert (request_id, position, kind) == ("r11", 192, STATE_WRONG_CONTENT)
     else:
         assert result.violations == 0, result.examples[:5]
 

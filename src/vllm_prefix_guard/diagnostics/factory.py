@@ -63,6 +63,11 @@ class SchedulerSpec:
     # A second KV-cache group holding a recurrent state (Mamba2 / GDN) per block, in the
     # "align" cache mode prefix caching uses: a hybrid model's state blocks.
     mamba_align: bool = False
+    # The state group's block, in attention blocks. Above 1 the scheduler steps in the
+    # state block and hashes in the attention block, and vLLM 0.33+ lets a prefix hit
+    # end inside a state block (``enable_partial_hash_hits``: checkpoints of the state at
+    # a hash boundary, copied on write).
+    mamba_block_multiple: int = 1
     # Any other SchedulerConfig field, passed through.
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -155,6 +160,12 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
         # What vLLM sets for a hybrid model with prefix caching (the tiny Llama has no
         # Mamba layer, so the config cannot infer it): block-aligned prefill chunks.
         config.cache_config.mamba_cache_mode = "align"
+        # vLLM aligns the Mamba block to the cache block (MambaModelConfig), and the
+        # scheduler splits prefill chunks at cache_config.block_size: a state is
+        # written at chunk ends only, so chunks must end on state-block boundaries.
+        state_block_size = spec.block_size * spec.mamba_block_multiple
+        config.cache_config.block_size = state_block_size
+        config.cache_config.mamba_block_size = state_block_size
     return config
 
 
@@ -194,7 +205,7 @@ def kv_cache_config(spec: SchedulerSpec) -> Any:
             KVCacheGroupSpec(
                 ["layer.1"],
                 MambaSpec(
-                    block_size=spec.block_size,
+                    block_size=spec.block_size * spec.mamba_block_multiple,
                     shapes=((1, 1),),
                     dtypes=(torch.float32,),
                     mamba_cache_mode="align",
@@ -223,9 +234,14 @@ def make_scheduler(
         configure(vllm_config)
     cls = AsyncScheduler if spec.async_scheduling else Scheduler
     extra: dict[str, Any] = {}
+    # Scheduling granularity: the LCM of the groups' block sizes; hashing: the GCD.
     if spec.sliding_window:
-        # Scheduling granularity: the LCM of the groups' block sizes; hashing: the GCD.
         extra = {"block_size": 2 * spec.block_size, "hash_block_size": spec.block_size}
+    elif spec.mamba_align and spec.mamba_block_multiple > 1:
+        extra = {
+            "block_size": spec.mamba_block_multiple * spec.block_size,
+            "hash_block_size": spec.block_size,
+        }
     scheduler = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config(spec),

@@ -310,6 +310,12 @@ class ShadowState:
         self.written_at[block_id] = step
         self.last_written[read.request_id] = position
 
+    def load(self, block_id: int, fingerprint: int, step: int) -> None:
+        """A KV connector loaded the state of the prefix ``fingerprint`` names into
+        ``block_id``, in the step numbered ``step``."""
+        self.held[block_id] = fingerprint
+        self.written_at[block_id] = step
+
     def copy(self, source: int, destination: int) -> None:
         """The runner copies block ``source`` into ``destination`` before the step's
         forward pass (vLLM 0.33+: a Mamba partial hit's copy-on-write,
@@ -359,6 +365,8 @@ class ShadowWorker:
         # request starts over (its own new loads, or hits the oracle checks block by
         # block), so the reports before that no longer make its later reads a known loss.
         self.restarted_at: dict[str, int] = {}
+        # Asynchronous connector loads under way: (the step whose output reports it, load).
+        self.receiving: list[tuple[int, Any]] = []
 
     def lost_by(self, index: int) -> set[str]:
         """The requests whose reads report ``index`` still makes a known loss: those
@@ -400,6 +408,7 @@ class ShadowWorker:
         twin.steps_executed = self.steps_executed
         twin.failure_reports = list(self.failure_reports)
         twin.restarted_at = dict(self.restarted_at)
+        twin.receiving = list(self.receiving)
         return twin
 
     def plan(self, output: Any) -> StepPlan:
@@ -432,6 +441,11 @@ class ShadowWorker:
             )
         meta = output.kv_connector_metadata
         loads = list(getattr(meta, "loads", ()) or ())
+        for load in loads:  # an asynchronous loader is not scheduled in its load's step
+            if load.request_id not in self.models:
+                sample = None if self.sample is None else partial(self.sample, load.request_id)
+                prompt = sched.requests[load.request_id].prompt_token_ids
+                self.models[load.request_id] = TokenModel(prompt, sample)
         return StepPlan(output, reads, loads, len(self.failure_reports))
 
     def _write_computed(self, read: ScheduledRead, poison: bool) -> None:
@@ -461,11 +475,14 @@ class ShadowWorker:
                     blocks.add(block_id)
         return blocks, {read.request_id for read in dropped}
 
-    def _read_states(self, step: int, plan: StepPlan, known_failed: set[int]) -> set[str]:
+    def _read_states(
+        self, step: int, plan: StepPlan, known_failed: set[int], copied_from: dict[int, int]
+    ) -> set[str]:
         """Check the state each request of ``plan`` starts from, in every state group,
         before the step writes any (the runner copies it into place before the forward
         pass); return the requests that started from a wrong one. A wrong state in a
-        block of ``known_failed`` is a known loss: not counted."""
+        block of ``known_failed``, or copied in this step from one (``copied_from``:
+        destination -> source), is a known loss: not counted."""
         bad: set[str] = set()
         output = plan.output
         for state in self.states:
@@ -476,7 +493,9 @@ class ShadowWorker:
                 if right:
                     continue
                 bad.add(read.request_id)
-                if block_id in known_failed:
+                if block_id is not None and (
+                    block_id in known_failed or copied_from.get(block_id) in known_failed
+                ):
                     continue
                 kind = STATE_NEVER_WRITTEN if held is None else STATE_WRONG_CONTENT
                 self.kv.counts[kind] += 1
@@ -497,16 +516,14 @@ class ShadowWorker:
         size = self.block_size
         invalid: set[int] = set()
         failed_requests: set[str] = set()
-        models = {read.request_id: read.model for read in plan.reads}
         for load in plan.loads:
-            if load.fails:
+            if load.steps:
+                self.receiving.append((step + load.steps - 1, load))
+            elif load.fails:
                 invalid.update(load.block_ids)
                 failed_requests.add(load.request_id)
-                continue
-            model = models.get(load.request_id) or self.models[load.request_id]
-            for position in range(load.start, load.start + load.num_tokens):
-                block_id = load.block_ids[position // size - load.start // size]
-                self.kv.write(block_id, position % size, model.fingerprint(position))
+            else:
+                self._load(load, step)
         if invalid:
             # A copy: the report grows below (what the failing request computes), and
             # `invalid` goes to vLLM in this step's output, which must not.
@@ -533,12 +550,14 @@ class ShadowWorker:
                     blocks.update(read.block_ids[first : last + 1])
             known_failed |= blocks
             known_lost |= requests
-        # vLLM 0.33+: block copies run before the forward pass (a Mamba partial hit's
-        # copy-on-write); only state groups ask for them.
+        # Block copies run before the forward pass (a Mamba partial hit's copy-on-write);
+        # only state groups ask for them.
+        copied_from: dict[int, int] = {}
         for source, destination in getattr(plan.output, "kv_cache_block_copies", None) or ():
+            copied_from[destination] = source
             for state in self.states:
                 state.copy(source, destination)
-        bad_state = self._read_states(step, plan, known_failed)
+        bad_state = self._read_states(step, plan, known_failed, copied_from)
         for read in plan.reads:
             self._write_computed(read, poison=False)
         # KV of a token is computed from attention over its prefix (from the second
@@ -569,17 +588,61 @@ class ShadowWorker:
         for state in self.states:
             for read in plan.reads:
                 state.write(read, poison=read.request_id in tainted, step=step)
+        received, failed_received = self._receive(step, invalid)
         req_ids = [read.request_id for read in plan.reads]
         sampled = [
             [read.model.token(read.start + read.num_tokens)] if read.samples else []
             for read in plan.reads
         ]
+        connector_output = None
+        if invalid or received:
+            connector_output = KVConnectorOutput(
+                finished_recving=received or None,
+                invalid_block_ids=invalid,
+                failed_recving=failed_received,
+            )
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid) if invalid else None,
+            kv_connector_output=connector_output,
         )
+
+    def _load(self, load: Any, step: int) -> None:
+        """Perform ``load``: its KV, and the state after its last token in each state
+        group it names (the step numbered ``step`` vouches for them)."""
+        model, size = self.models[load.request_id], self.block_size
+        for position in range(load.start, load.start + load.num_tokens):
+            block_id = load.block_ids[position // size - load.start // size]
+            self.kv.write(block_id, position % size, model.fingerprint(position))
+        if load.state_blocks:
+            fingerprint = model.fingerprint(load.start + load.num_tokens - 1)
+            for group, block_id in load.state_blocks:
+                state = self.state_of_group(group)
+                if state is not None:
+                    state.load(block_id, fingerprint, step)
+
+    def _receive(self, step: int, invalid: set[int]) -> tuple[set[str], set[str]]:
+        """Finish the asynchronous loads due at ``step``: ``(the requests whose loads are
+        done, those whose load failed as a whole)``; the ids of blocks that failed alone go
+        into ``invalid``. No step read those blocks (vLLM registers an asynchronous load's
+        blocks only once it is reported done), so unlike a synchronous failure this is no
+        known loss: every later read of them is checked."""
+        due = [load for at, load in self.receiving if at <= step]
+        if not due:
+            return set(), set()
+        self.receiving = [(at, load) for at, load in self.receiving if at > step]
+        received: set[str] = set()
+        failed: set[str] = set()
+        for load in due:
+            received.add(load.request_id)
+            if not load.fails:
+                self._load(load, step)
+            elif load.by_request:
+                failed.add(load.request_id)
+            else:
+                invalid.update(load.block_ids)
+        return received, failed
 
 
 class Driver:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig, runnable
 from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
     current_hash_seed,
     reexec_with_fixed_hash_seed,
@@ -114,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"the guard cannot apply to this vLLM: {exc}", file=sys.stderr)
             return EXIT_UNSUPPORTED
     configs = [CONFIGS[name] for name in args.config] if args.config else list(CONFIGS.values())
+    configs, skipped = runnable(configs)
+    for name, reason in skipped.items():
+        print(f"{name}: not run: {reason}", file=sys.stderr)
+    if not configs:
+        return EXIT_OK
     seconds = args.seconds if args.seconds is not None or args.seeds else 60.0
     seeds = range(args.seeds) if args.seeds else None
     results = run_matrix(

@@ -60,6 +60,17 @@ class FuzzConfig:
         traffic = self.traffic
         return traffic is not None and traffic.external_share > 0 and traffic.fail_share > 0
 
+    def unavailable(self) -> str | None:
+        """Why the installed vLLM cannot judge the guard on this configuration (None: it
+        can); see ``capabilities``. Importing vLLM, and probing it once per process."""
+        if self.spec.mamba_block_multiple > 1:
+            from vllm_prefix_guard.diagnostics.fuzz.capabilities import (
+                partial_state_hits_unsound,
+            )
+
+            return partial_state_hits_unsound()
+        return None
+
     def workload(self, seed: int, horizon: int | None = None) -> Workload:
         """The workload of ``seed``; each generator draws from its own stream."""
         horizon = self.horizon if horizon is None else horizon
@@ -263,6 +274,61 @@ CONFIGS: dict[str, FuzzConfig] = {
             victims=VictimEpisodes(gap=50),
             system_prompt_blocks=2,
         ),
+        FuzzConfig(
+            "kv-load-async",
+            "asynchronous KV-connector loads (WAITING_FOR_REMOTE_KVS; vLLM registers their "
+            "blocks once finished_recving reports them): whole failures reported per "
+            "request, partial ones by block id (policy recompute), loaders aborted while "
+            "loading; async, priority phases, aborts",
+            _spec(
+                num_blocks=40,
+                policy="priority",
+                async_scheduling=True,
+                kv_load_failure_policy="recompute",
+            ),
+            depth=2,
+            failed_loads=FailedLoadEpisodes(async_share=1.0, partial_share=0.5, abort_loader=0.3),
+            traffic=Traffic(
+                arrival_rate=0.3,
+                priority="phased",
+                abort_prob=0.05,
+                external_share=0.3,
+                fail_share=0.3,
+                async_share=1.0,
+            ),
+        ),
+        FuzzConfig(
+            "hybrid-kv-load-async",
+            "a hybrid model, async: asynchronous KV-connector loads of attention KV and "
+            "the boundary state, failing per request (failed_recving, the only report "
+            "vLLM 0.31+ takes with several KV-cache groups; policy recompute), priority "
+            "phases, n>1, aborts with retries, victim episodes",
+            _spec(
+                num_blocks=48,
+                policy="priority",
+                async_scheduling=True,
+                mamba_align=True,
+                kv_load_failure_policy="recompute",
+            ),
+            depth=2,
+            horizon=800,
+            traffic=Traffic(
+                arrival_rate=0.4,
+                priority="phased",
+                prefix_blocks=(4, 12),
+                suffix_tokens=(16, 96),
+                n_prob=0.15,
+                abort_prob=0.1,
+                abort_delay=4,
+                retry_share=0.5,
+                external_share=0.4,
+                fail_share=0.3,
+                async_share=1.0,
+            ),
+            victims=VictimEpisodes(gap=50),
+            failed_loads=FailedLoadEpisodes(gap=40, async_share=1.0, abort_loader=0.3),
+            system_prompt_blocks=2,
+        ),
     )
 }
 
@@ -278,3 +344,40 @@ CONFIGS["hybrid-retry-async-drop"] = dataclasses.replace(
     targeted=True,
     drop_aborted=True,
 )
+
+
+def _with_partial_state_hits(config: FuzzConfig) -> FuzzConfig:
+    """``config`` with a state block of four attention blocks: the scheduler steps in
+    state blocks and hashes in attention blocks, so a prefix hit can end inside a state
+    block, on the checkpoint vLLM keeps of the state at that hash boundary
+    (``enable_partial_hash_hits``), which the reader's step first copies into its own
+    block (``kv_cache_block_copies``; the oracle applies the copies before the forward
+    pass)."""
+    name = config.name.replace("hybrid-", "hybrid-partial-", 1)
+    return dataclasses.replace(
+        config,
+        name=name,
+        description=f"as {config.name}, with a state block of four attention blocks (prefix "
+        "hits inside a state block: partial-hit checkpoints, copied on write)",
+        spec=dataclasses.replace(config.spec, mamba_block_multiple=4),
+    )
+
+
+CONFIGS.update(
+    (partial.name, partial)
+    for partial in [_with_partial_state_hits(c) for c in CONFIGS.values() if c.spec.mamba_align]
+)
+
+
+def runnable(configs: list[FuzzConfig]) -> tuple[list[FuzzConfig], dict[str, str]]:
+    """(The configurations the installed vLLM can judge the guard on, and why the others
+    cannot, by name), each in order."""
+    kept: list[FuzzConfig] = []
+    skipped: dict[str, str] = {}
+    for config in configs:
+        reason = config.unavailable()
+        if reason is None:
+            kept.append(config)
+        else:
+            skipped[config.name] = reason
+    return kept, skipped

@@ -97,6 +97,9 @@ class Traffic:
     # share of those whose loads fail.
     external_share: float = 0.0
     fail_share: float = 0.0
+    # Share of those loads that are asynchronous, and how many executed steps they take.
+    async_share: float = 0.0
+    async_steps: tuple[int, int] = (1, 3)
     # Longest prompt + output, in blocks, so every request fits the pool on its own.
     max_request_blocks: int = 24
 
@@ -152,13 +155,26 @@ def random_traffic(
             priority = _priority(rng, traffic, step)
             external = 0
             fails = False
+            async_steps = 0
             if family is not None and rng.random() < traffic.external_share:
                 external = prompt_length(shared)
                 fails = rng.random() < traffic.fail_share
+                # Drawn only where asynchronous loads are on: other configurations' draws stay.
+                if traffic.async_share and rng.random() < traffic.async_share:
+                    async_steps = rng.randint(*traffic.async_steps)
             for member in range(group):
                 request_id = leader if member == 0 else names.request()
                 events.append(
-                    Arrive(step, request_id, prompt, max_tokens, priority, external, fails)
+                    Arrive(
+                        step,
+                        request_id,
+                        prompt,
+                        max_tokens,
+                        priority,
+                        external,
+                        fails,
+                        async_load_steps=async_steps,
+                    )
                 )
                 if rng.random() < traffic.abort_prob:
                     aborted_at = step + rng.randint(0, traffic.abort_delay)
@@ -261,13 +277,18 @@ class FailedLoadEpisodes:
     or a few later, before the loader recomputes it (policy "recompute"), or after the
     loader was aborted before the failing step's update (``abort_loader``: under policy
     "fail" vLLM then never evicts the invalid blocks). A share of the failing loads
-    (``partial_share``) fail on some of the prefix's blocks only, the others loading fine."""
+    (``partial_share``) fail on some of the prefix's blocks only, the others loading fine.
+    A share of the loads (``async_share``) are asynchronous, reported done
+    ``async_steps`` executed steps after they start; followers then arrive while the load
+    is under way or just after."""
 
     gap: int = 24
     prefix_blocks: tuple[int, int] = (6, 12)
     fail_share: float = 0.5
     abort_loader: float = 0.0
     partial_share: float = 0.0
+    async_share: float = 0.0
+    async_steps: tuple[int, int] = (1, 3)
     followers: tuple[int, int] = (1, 3)
     follower_delay: tuple[int, int] = (1, 4)
     max_tokens: tuple[int, int] = (2, 8)
@@ -299,8 +320,21 @@ def failed_load_episodes(
             failed_blocks = tuple(
                 sorted(rng.sample(range(num_blocks), rng.randint(1, num_blocks - 1)))
             )
+        async_steps = 0
+        if knobs.async_share and rng.random() < knobs.async_share:
+            async_steps = rng.randint(*knobs.async_steps)
         events.append(
-            Arrive(start, request_id, loader, max_tokens, 0, external, fails, failed_blocks)
+            Arrive(
+                start,
+                request_id,
+                loader,
+                max_tokens,
+                0,
+                external,
+                fails,
+                failed_blocks,
+                async_steps,
+            )
         )
         if fails and rng.random() < knobs.abort_loader:
             events.append(Abort(start, request_id))

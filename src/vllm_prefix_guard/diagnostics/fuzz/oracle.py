@@ -4,8 +4,9 @@
 
 - *metering*: prefix-cache hit tokens, scheduled and loaded tokens. A request's hit is
   the tokens it starts with as computed when first scheduled, minus what the KV
-  connector loads for it in that step: the local hit the scheduler acted on, which is
-  what vLLM reports per request (``num_cached_tokens``, less connector tokens). Hits on
+  connector loads for it in that step (for an asynchronous load, the tokens it had when
+  the load started): the local hit the scheduler acted on, which is what vLLM reports
+  per request (``num_cached_tokens``, less connector tokens). Hits on
   resuming after a preemption are not added, so preemption churn does not inflate it;
 - *invalid hits*: hit tokens whose KV was never written (or holds another prefix) when
   the first step ran (and apart, those of requests resuming after a preemption), and
@@ -106,6 +107,9 @@ class MeteredDriver(Driver):
         self.decision_history: list[int] = []
         # request id -> its num_preemptions when last admitted.
         self._admitted: dict[str, int] = {}
+        # request id -> its local prefix-cache hit when the scheduler started an
+        # asynchronous load for it: its hit, though it is first scheduled steps later.
+        self._hit_before_load: dict[str, int] = {}
 
     @property
     def admitted(self) -> dict[str, int]:
@@ -149,6 +153,9 @@ class MeteredDriver(Driver):
         loaded: dict[str, int] = {}
         for load in plan.loads:
             loaded[load.request_id] = loaded.get(load.request_id, 0) + load.num_tokens
+            if load.steps and load.request_id not in self._admitted:
+                hit = self._hit_before_load.get(load.request_id, load.start)
+                self._hit_before_load[load.request_id] = min(hit, load.start)
         self.loaded_tokens += sum(loaded.values())
         requests = self.scheduler.requests
         for read in plan.reads:
@@ -158,7 +165,10 @@ class MeteredDriver(Driver):
                 self._admitted[read.request_id] = preemptions
                 first = seen is None
                 if first:
-                    self.request_hit_tokens += read.start - loaded.get(read.request_id, 0)
+                    hit = self._hit_before_load.pop(read.request_id, None)
+                    if hit is None:
+                        hit = read.start - loaded.get(read.request_id, 0)
+                    self.request_hit_tokens += hit
                 self.fuzz_kv.admission_reads[id(read)] = first
 
 

@@ -279,6 +279,8 @@ def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int)
             connector.fail_loads.add(event.request_id)
             if event.failed_blocks:
                 connector.failed_blocks[event.request_id] = frozenset(event.failed_blocks)
+        if event.async_load_steps:
+            connector.async_loads[event.request_id] = event.async_load_steps
     driver.add(request)
     return request
 

@@ -149,7 +149,13 @@ def _simplifications(event: Event) -> list[Event]:
     if event.priority:
         out.append(dataclasses.replace(event, priority=0))
     if event.external_tokens:
-        out.append(dataclasses.replace(event, external_tokens=0, fail_load=False))
+        out.append(
+            dataclasses.replace(
+                event, external_tokens=0, fail_load=False, failed_blocks=(), async_load_steps=0
+            )
+        )
+    if event.async_load_steps > 1:
+        out.append(dataclasses.replace(event, async_load_steps=1))
     prompt = event.prompt
     if len(prompt) > 1:
         out.append(dataclasses.replace(event, prompt=prompt[:-1]))

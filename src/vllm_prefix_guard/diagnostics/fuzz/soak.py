@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig
+from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig, runnable
 from vllm_prefix_guard.diagnostics.fuzz.differential import ConfigResult, run_seed
 from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
     current_hash_seed,
@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
     modes = tuple(m.strip() for m in args.modes.split(","))
     configs = [CONFIGS[n] for n in args.config] if args.config else list(CONFIGS.values())
+    configs, skipped = runnable(configs)
+    if not configs:
+        for name, reason in skipped.items():
+            print(f"{name}: not run: {reason}")
+        return 0
     started = time.monotonic()
     if args.jobs > 1:
         # spawn: a forked child would inherit the parent's torch/OpenMP state.
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(PYTHONHASHSEED={current_hash_seed()}), "
             f"{os.cpu_count()} CPUs, {args.jobs} job(s), "
             f"{time.monotonic() - started:.0f} s in total.\n"
-            f"Command: `{command.strip()}`",
+            f"Command: `{command.strip()}`"
+            + "".join(f"\n\nNot run: {name}: {reason}." for name, reason in skipped.items()),
             summary_table(results),
             markdown_table(results),
             timing_table(results),

@@ -33,11 +33,12 @@ def prompt_length(prompt: Runs) -> int:
 class Arrive:
     """``request_id`` is added before engine iteration ``step``.
 
-    ``external_tokens``, ``fail_load`` and ``failed_blocks`` drive the fake KV connector
-    (configurations with a ``kv_load_failure_policy``): the first ``external_tokens``
-    tokens are remotely available, and every synchronous load of this request fails:
-    all of it, or, when ``failed_blocks`` names blocks of the prompt (by index), only
-    theirs (the others load fine).
+    ``external_tokens``, ``fail_load``, ``failed_blocks`` and ``async_load_steps`` drive
+    the fake KV connector (configurations with a ``kv_load_failure_policy``): the first
+    ``external_tokens`` tokens are remotely available, and every load of this request
+    fails: all of it, or, when ``failed_blocks`` names blocks of the prompt (by index),
+    only theirs (the others load fine). With ``async_load_steps`` the load is
+    asynchronous and the worker reports it done that many executed steps after it starts.
     """
 
     step: int
@@ -48,6 +49,7 @@ class Arrive:
     external_tokens: int = 0
     fail_load: bool = False
     failed_blocks: tuple[int, ...] = ()
+    async_load_steps: int = 0
 
 
 @dataclass(frozen=True)
