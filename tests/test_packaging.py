@@ -52,6 +52,7 @@ DIAGNOSTICS = {
         for name in (
             "__init__",
             "audit",
+            "capabilities",
             "cli",
             "configs",
             "differential",
