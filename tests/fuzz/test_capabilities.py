@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from vllm_prefix_guard.diagnostics.fuzz.capabilities import (
+    ASYNC_LOAD_PROBE,
     PARTIAL_STATE_PROBES,
+    async_loads_stall,
     partial_state_hits_unsound,
 )
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
@@ -24,9 +26,20 @@ def test_partial_state_probe_reads_alike_with_and_without_the_guard(probe: int) 
         assert stock.violations == 0
 
 
-def test_partial_configurations_run_where_partial_state_hits_are_sound() -> None:
-    partial = [c for c in CONFIGS.values() if c.spec.mamba_block_multiple > 1]
-    assert partial, "no configuration makes partial state hits"
-    reason = partial_state_hits_unsound()
-    assert all(c.unavailable() == reason for c in partial)
-    assert all(c.unavailable() is None for c in CONFIGS.values() if c not in partial)
+def test_async_load_probe_stalls_alike_with_and_without_the_guard() -> None:
+    stock, guard = (run_workload(ASYNC_LOAD_PROBE, mode) for mode in ("stock", "guard"))
+    assert stock.stalled_runs == guard.stalled_runs == int(async_loads_stall() is not None)
+    assert stock.violations == guard.violations == 0
+
+
+def test_configurations_run_where_what_they_rely_on_is_sound() -> None:
+    asynchronous = {c.name for c in CONFIGS.values() if c.loads_asynchronously}
+    partial = {c.name for c in CONFIGS.values() if c.spec.mamba_block_multiple > 1}
+    assert {"kv-load-async", "hybrid-kv-load-async"} <= asynchronous and partial
+    for config in CONFIGS.values():
+        reasons = []
+        if config.name in asynchronous and async_loads_stall():
+            reasons.append(async_loads_stall())
+        if config.name in partial:
+            reasons.append(partial_state_hits_unsound())
+        assert config.unavailable() == next((r for r in reasons if r), None)

@@ -157,18 +157,23 @@ class ShadowKV:
     # block_id -> requests whose verified prefix holds it
     _watchers: dict[int, set[str]] = field(default_factory=dict)
     # The step being executed, as the caller numbers steps (-1: none), and per slot the
-    # step that last wrote it: which step vouches for a slot's content (the rollback
-    # audit tells a slot written for a block's current tenant from bytes an earlier
-    # tenant left there).
+    # step that last wrote it and for which request: who vouches for a slot's content
+    # (the rollback audit tells a slot written for a block's current tenant from bytes
+    # an earlier tenant left there).
     step: int = -1
     written_at: dict[int, list[int]] = field(default_factory=dict)
+    written_by: dict[int, list[str | None]] = field(default_factory=dict)
 
-    def write(self, block_id: int, offset: int, fingerprint: int) -> None:
+    def write(
+        self, block_id: int, offset: int, fingerprint: int, writer: str | None = None
+    ) -> None:
         slots = self.slots.get(block_id)
         if slots is None:
             slots = self.slots[block_id] = [None] * self.block_size
             self.written_at[block_id] = [-1] * self.block_size
+            self.written_by[block_id] = [None] * self.block_size
         self.written_at[block_id][offset] = self.step
+        self.written_by[block_id][offset] = writer
         held = slots[offset]
         if held != fingerprint:
             slots[offset] = fingerprint
@@ -264,9 +269,10 @@ class ShadowState:
     held: dict[int, int] = field(default_factory=dict)
     # request_id -> position of the block its last step wrote
     last_written: dict[str, int] = field(default_factory=dict)
-    # block_id -> the step that last wrote it (the audit tells bytes a block's earlier
-    # tenant left from a write of the current one)
+    # block_id -> the step that last wrote it, and for which request (the audit tells
+    # bytes a block's earlier tenant left from a write of the current one)
     written_at: dict[int, int] = field(default_factory=dict)
+    written_by: dict[int, str] = field(default_factory=dict)
     # Steps that started from a state another request wrote (a prefix hit), all checked.
     resumed_from_hits: int = 0
 
@@ -308,13 +314,15 @@ class ShadowState:
         fingerprint = read.model.fingerprint(read.start + read.num_tokens - 1)
         self.held[block_id] = poisoned(fingerprint) if poison else fingerprint
         self.written_at[block_id] = step
+        self.written_by[block_id] = read.request_id
         self.last_written[read.request_id] = position
 
-    def load(self, block_id: int, fingerprint: int, step: int) -> None:
+    def load(self, block_id: int, fingerprint: int, step: int, loader: str) -> None:
         """A KV connector loaded the state of the prefix ``fingerprint`` names into
-        ``block_id``, in the step numbered ``step``."""
+        ``block_id`` for ``loader``, in the step numbered ``step``."""
         self.held[block_id] = fingerprint
         self.written_at[block_id] = step
+        self.written_by[block_id] = loader
 
     def copy(self, source: int, destination: int) -> None:
         """The runner copies block ``source`` into ``destination`` before the step's
@@ -323,9 +331,11 @@ class ShadowState:
         if source in self.held:
             self.held[destination] = self.held[source]
             self.written_at[destination] = self.written_at[source]
+            self.written_by[destination] = self.written_by[source]
         else:
             self.held.pop(destination, None)
             self.written_at.pop(destination, None)
+            self.written_by.pop(destination, None)
 
 
 def poisoned(fingerprint: int) -> int:
@@ -395,12 +405,14 @@ class ShadowWorker:
         twin.kv.slots = {block: list(slots) for block, slots in self.kv.slots.items()}
         twin.kv.versions = dict(self.kv.versions)
         twin.kv.written_at = {block: list(at) for block, at in self.kv.written_at.items()}
+        twin.kv.written_by = {block: list(by) for block, by in self.kv.written_by.items()}
         twin.states = [
             replace(
                 state,
                 held=dict(state.held),
                 last_written=dict(state.last_written),
                 written_at=dict(state.written_at),
+                written_by=dict(state.written_by),
             )
             for state in self.states
         ]
@@ -450,6 +462,7 @@ class ShadowWorker:
 
     def _write_computed(self, read: ScheduledRead, poison: bool) -> None:
         size, block_ids, write = self.block_size, read.block_ids, self.kv.write
+        writer = read.request_id
         end = read.start + read.num_tokens
         read.model.fingerprint(end - 1)
         fingerprints = read.model.fingerprints
@@ -459,6 +472,7 @@ class ShadowWorker:
                 block_ids[position // size],
                 position % size,
                 poisoned(fingerprint) if poison else fingerprint,
+                writer,
             )
 
     def _not_written(self, dropped: list[ScheduledRead]) -> tuple[set[int], set[str]]:
@@ -614,13 +628,13 @@ class ShadowWorker:
         model, size = self.models[load.request_id], self.block_size
         for position in range(load.start, load.start + load.num_tokens):
             block_id = load.block_ids[position // size - load.start // size]
-            self.kv.write(block_id, position % size, model.fingerprint(position))
+            self.kv.write(block_id, position % size, model.fingerprint(position), load.request_id)
         if load.state_blocks:
             fingerprint = model.fingerprint(load.start + load.num_tokens - 1)
             for group, block_id in load.state_blocks:
                 state = self.state_of_group(group)
                 if state is not None:
-                    state.load(block_id, fingerprint, step)
+                    state.load(block_id, fingerprint, step, load.request_id)
 
     def _receive(self, step: int, invalid: set[int]) -> tuple[set[str], set[str]]:
         """Finish the asynchronous loads due at ``step``: ``(the requests whose loads are

@@ -16,10 +16,12 @@ takes out of the open step, at the end of that step.
   or KV computed over bad KV (poisoned), or the connector reported the block's load as
   failed (its content is then undefined): the rollback was needed;
 - ``leftover``: the right bytes, but written before the registering request was last
-  admitted: an earlier tenant of the block (the same request before a preemption or a
-  reset, with the same prefix) left them, and no step writes them again; vLLM may zero a
-  block it hands out afresh, and the guard cannot see a block's past, so the rollback was
-  needed (found by ``reset-async`` at three times its horizon, seed 950007, vLLM 0.33);
+  admitted, or for another request: an earlier tenant of the block (the same request
+  before a preemption or a reset, or a twin with the same prefix) left them, and no step
+  writes them again; vLLM may zero a block it hands out afresh, and the guard cannot see
+  a block's past, so the rollback was needed (found by ``reset-async`` at three times its
+  horizon, seed 950007, vLLM 0.33; a twin's state left in a reused state block by the
+  soak of ``hybrid-partial-kv-load-async``, seed 8, vLLM 0.33);
 - ``stale``: the undo was a no-op (the block lost that registration since).
 
 Counts are kept per rollback cause (the rule that removed the entry). Two more rows
@@ -357,15 +359,20 @@ class RollbackAudit(UncommittedPrefixCache):
         held = kv.slots.get(reg.block_id)
         if held is None:
             return NEVER_WRITTEN
-        written_at = kv.written_at[reg.block_id]
+        written_at, written_by = kv.written_at[reg.block_id], kv.written_by[reg.block_id]
         size = self.block_size
         verdict = VALID
         for position in range((reg.num_tokens - 1) // size * size, reg.num_tokens):
-            if held[position % size] is None:
+            offset = position % size
+            if held[offset] is None:
                 return NEVER_WRITTEN
-            if held[position % size] != reg.model.fingerprint(position):
+            if held[offset] != reg.model.fingerprint(position):
                 verdict = WRONG
-            elif verdict == VALID and rolled_back and written_at[position % size] < reg.admitted:
+            elif (
+                verdict == VALID
+                and rolled_back
+                and not _this_tenancy(reg, written_at[offset], written_by[offset])
+            ):
                 verdict = LEFTOVER
         return verdict
 
@@ -431,9 +438,20 @@ def state_verdict(state: ShadowState, reg: Registration, rolled_back: bool) -> s
         return NEVER_WRITTEN
     if held != reg.model.fingerprint(reg.num_tokens - 1):
         return WRONG
-    if rolled_back and state.written_at[reg.block_id] < reg.admitted:
+    block_id = reg.block_id
+    if rolled_back and not _this_tenancy(
+        reg, state.written_at[block_id], state.written_by.get(block_id)
+    ):
         return LEFTOVER
     return VALID
+
+
+def _this_tenancy(reg: Registration, written_at: int, written_by: str | None) -> bool:
+    """Whether a write vouches for ``reg``: made for its request (a request with no
+    name, a key moved by vLLM, is vouched by any) since that request was last admitted."""
+    if written_at < reg.admitted:
+        return False
+    return reg.request_id is None or written_by == reg.request_id
 
 
 class IdealPolicy(RollbackAudit):

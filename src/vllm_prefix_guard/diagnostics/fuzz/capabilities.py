@@ -16,6 +16,14 @@ and copies another request's state over a checkpoint already moved to its own bl
 A request resuming from such a copy starts from the wrong state. Shrunk from
 ``hybrid-partial-retry-async`` (0.31 seed 2, 0.30 seed 0) to :data:`PARTIAL_STATE_PROBES`;
 vLLM 0.32 rewrote the partial-tail bookkeeping and reads nothing bad in either.
+
+Asynchronous KV loads. On vLLM 0.30 a request whose asynchronous load is done waits in the
+same queue as new requests: when the request at its head cannot be admitted (nothing
+running to preempt, the loaded request holding its blocks), the waiting loop stops there
+and the loaded request is never resumed, with and without the guard. vLLM 0.31 keeps
+requests that hold blocks in a queue of their own. :data:`ASYNC_LOAD_PROBE` is the
+smallest such layout: a low-priority request loading 64 tokens, then a higher-priority one
+needing more blocks than are left.
 """
 
 from __future__ import annotations
@@ -120,6 +128,30 @@ PARTIAL_STATE_PROBES = (
         ),
     ),
 )
+
+
+ASYNC_LOAD_PROBE = Workload(
+    spec=SchedulerSpec(num_blocks=8, policy="priority", kv_load_failure_policy="recompute"),
+    events=(
+        Arrive(0, "a", ((1000, 80),), 2, priority=1, external_tokens=64, async_load_steps=2),
+        Arrive(1, "b", ((2000, 90),), 2, priority=0),
+    ),
+)
+
+
+@cache
+def async_loads_stall() -> str | None:
+    """Why this vLLM's asynchronous loads cannot be judged (None: they can): stock vLLM
+    never resuming the loaded request of :data:`ASYNC_LOAD_PROBE`."""
+    from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+
+    if not run_workload(ASYNC_LOAD_PROBE, "stock").stalled_runs:
+        return None
+    return (
+        "this vLLM never resumes a request whose asynchronous load is done while a waiting "
+        "request ahead of it cannot be admitted (stock and guard alike stall in "
+        "capabilities.ASYNC_LOAD_PROBE; vLLM 0.30 measured)"
+    )
 
 
 @cache

@@ -60,15 +60,24 @@ class FuzzConfig:
         traffic = self.traffic
         return traffic is not None and traffic.external_share > 0 and traffic.fail_share > 0
 
+    @property
+    def loads_asynchronously(self) -> bool:
+        """Some KV-connector loads of this configuration are asynchronous."""
+        traffic, episodes = self.traffic, self.failed_loads
+        return bool(
+            (traffic is not None and traffic.external_share and traffic.async_share)
+            or (episodes is not None and episodes.async_share)
+        )
+
     def unavailable(self) -> str | None:
         """Why the installed vLLM cannot judge the guard on this configuration (None: it
         can); see ``capabilities``. Importing vLLM, and probing it once per process."""
-        if self.spec.mamba_block_multiple > 1:
-            from vllm_prefix_guard.diagnostics.fuzz.capabilities import (
-                partial_state_hits_unsound,
-            )
+        from vllm_prefix_guard.diagnostics.fuzz import capabilities
 
-            return partial_state_hits_unsound()
+        if self.loads_asynchronously and capabilities.async_loads_stall():
+            return capabilities.async_loads_stall()
+        if self.spec.mamba_block_multiple > 1:
+            return capabilities.partial_state_hits_unsound()
         return None
 
     def workload(self, seed: int, horizon: int | None = None) -> Workload:
