@@ -331,7 +331,11 @@ class ShadowState:
         if source in self.held:
             self.held[destination] = self.held[source]
             self.written_at[destination] = self.written_at[source]
-            self.written_by[destination] = self.written_by[source]
+            writer = self.written_by.get(source)
+            if writer is None:
+                self.written_by.pop(destination, None)
+            else:
+                self.written_by[destination] = writer
         else:
             self.held.pop(destination, None)
             self.written_at.pop(destination, None)
