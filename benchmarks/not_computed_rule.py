@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_vllm()
     failed = False
     for name, config in CONFIGS.items():
-        if config.unavailable():
-            print(f"{name}: not run: {config.unavailable()}")
+        reason = config.unavailable()
+        if reason is not None:
+            print(f"{name}: not run: {reason}")
             continue
         if config.drop_aborted:
             totals = {"stock": 0, "guard without the rule": 0, "guard": 0}

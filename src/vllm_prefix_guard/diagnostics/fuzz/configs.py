@@ -74,8 +74,9 @@ class FuzzConfig:
         can); see ``capabilities``. Importing vLLM, and probing it once per process."""
         from vllm_prefix_guard.diagnostics.fuzz import capabilities
 
-        if self.loads_asynchronously and capabilities.async_loads_stall():
-            return capabilities.async_loads_stall()
+        stall = capabilities.async_loads_stall() if self.loads_asynchronously else None
+        if stall is not None:
+            return stall
         if self.spec.mamba_block_multiple > 1:
             return capabilities.partial_state_hits_unsound()
         return None
