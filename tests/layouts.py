@@ -380,3 +380,41 @@ HYBRID_PARTIAL_ZOMBIE_STATE = Workload(
         Arrive(50, "r12", prompt=((1000, 32), (2000, 167)), max_tokens=1, priority=3),
     ),
 )
+
+
+# A Mamba partial prefix-cache hit reads its state through a private copy of the block it
+# hit (``kv_cache_block_copies``, run before the forward pass). Found by construction:
+# x computes the prefix's attention KV (its state only at its chunk ends); d, a prefix of
+# x's prompt ending inside a state block, is dispatched with a checkpoint of its state at
+# 176 tokens and aborted while that step is in flight, and the worker leaves d out of it
+# (vLLM PR #56525's). r, admitted in the next step, hits x's attention KV and d's
+# never-written checkpoint through its copy: no bad block is in its block table.
+HYBRID_PARTIAL_HIT_THROUGH_A_COPY = Workload(
+    spec=dataclasses.replace(HYBRID_PARTIAL_ZOMBIE_STATE.spec, num_blocks=64, policy="fcfs"),
+    depth=2,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "x", prompt=((1000, 200),), max_tokens=1),
+        Arrive(9, "d", prompt=((1000, 176),), max_tokens=5),
+        Abort(9, "d"),
+        Arrive(10, "r", prompt=((1000, 176), (6000, 30)), max_tokens=3),
+    ),
+)
+
+# The checkpoint a running request leaves inside a state block moves onto a copy when its
+# next step would overwrite the block (``move_block_hashes``, entry made on no request's
+# behalf). With three steps in flight (a batch queue three deep, as pipeline parallelism
+# keeps), p's first decode step moves the checkpoint of a prefill step the worker then
+# leaves out (p is aborted meanwhile): the moved entry names a state nobody wrote, and q
+# hits it after everything has committed.
+HYBRID_MOVED_CHECKPOINT = Workload(
+    spec=HYBRID_PARTIAL_HIT_THROUGH_A_COPY.spec,
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "x", prompt=((1000, 200),), max_tokens=1),
+        Arrive(7, "p", prompt=((1000, 176),), max_tokens=8),
+        Abort(7, "p"),
+        Arrive(17, "q", prompt=((1000, 176), (6000, 30)), max_tokens=3),
+    ),
+)

@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 
-from layouts import HYBRID_PARTIAL_ZOMBIE_STATE, HYBRID_WRONG_STATE_0_33
+from layouts import (
+    HYBRID_MOVED_CHECKPOINT,
+    HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
+    HYBRID_PARTIAL_ZOMBIE_STATE,
+    HYBRID_WRONG_STATE_0_33,
+)
 from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
@@ -31,6 +36,7 @@ from vllm_prefix_guard.diagnostics.shadow_kv import (
     Driver,
 )
 from vllm_prefix_guard.hooks import guard_of
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 
 PROMPT = list(range(1, 161))  # ten 16-token blocks: prefilled in 64-token chunks
@@ -217,6 +223,51 @@ def test_no_resume_from_an_own_zombie_state_block(mode: str) -> None:
         assert (request_id, position, kind) == ("r11", 192, STATE_WRONG_CONTENT)
     else:
         assert result.violations == 0, result.examples[:5]
+
+
+#: Layouts where a state is read through a block copy: who reads it wrong without the
+#: rule, and the bad reads then (starts from a wrong state, all), as on vLLM 0.32 and 0.33.
+THROUGH_A_COPY = {
+    "reader": (HYBRID_PARTIAL_HIT_THROUGH_A_COPY, "r", (3, 128)),
+    "moved-checkpoint": (HYBRID_MOVED_CHECKPOINT, "q", (5, 178)),
+}
+
+
+@pytest.mark.parametrize("layout", THROUGH_A_COPY)
+def test_a_state_read_through_a_copy_is_its_source(mode: str, layout: str) -> None:
+    """A block a step copies holds what its source held, so the not-computed rollback
+    (a failed load's walk) follows copies: a partial hit whose state comes through a copy
+    of a never-written checkpoint reads bad state, though its block table names no bad
+    block (``reader``), and a checkpoint moved onto a copy names what its source held
+    (``moved-checkpoint``, three steps in flight). Stock vLLM 0.32/0.33 reads the
+    never-written state; the guard preempts the reader, or removes the moved entry."""
+    reason = partial_state_hits_unsound()
+    if reason is not None:
+        pytest.skip(reason)
+    workload, reader, bad_reads = THROUGH_A_COPY[layout]
+    result = run_workload(workload, "stock" if mode == "native" else mode)
+    if mode == "stock":
+        assert (result.bad_state_reads, result.violations) == bad_reads
+        assert {request_id for _, request_id, *_ in result.examples} == {reader}
+    else:
+        assert result.violations == 0, result.examples[:5]
+
+
+@guard_only("it takes the copy rule out of the guard's failed-load walk")
+@pytest.mark.parametrize("layout", THROUGH_A_COPY)
+def test_the_guard_without_its_copy_rule_reads_bad_state(
+    guard: None, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """The rule's teeth: a walk that reads no ``kv_cache_block_copies`` lets the same
+    request read the never-written state, as stock does."""
+    reason = partial_state_hits_unsound()
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setattr(FailedKVLoads, "_remove_copies_of_bad", lambda self, output, entries: {})
+    workload, reader, bad_reads = THROUGH_A_COPY[layout]
+    result = run_workload(workload, "guard")
+    assert (result.bad_state_reads, result.violations) == bad_reads
+    assert {request_id for _, request_id, *_ in result.examples} == {reader}
 
 
 def test_a_block_copy_carries_the_state_it_holds() -> None:

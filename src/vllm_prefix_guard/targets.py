@@ -192,7 +192,9 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
         "scheduled_new_reqs",
         "scheduled_cached_reqs",
         "num_scheduled_tokens",
+        "kv_cache_block_copies",
     ),
+    *_fields(KV_CACHE_UTILS, "KVCacheBlockCopy", _LOAD, "src_block_id", "dst_block_id"),
     *_fields(
         SCHEDULER_OUTPUT, "NewRequestData", _LOAD, "req_id", "block_ids", "num_computed_tokens"
     ),

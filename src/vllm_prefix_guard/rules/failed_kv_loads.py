@@ -95,7 +95,9 @@ class FailedKVLoads:
       groups' KV of the tokens before it), and all its entries in later steps
       until it is admitted afresh;
     - the entries of every request admitted on a prefix hit that includes a bad
-      block it neither writes in that step nor still holds unchanged, from its
+      block it neither writes in that step nor still holds unchanged (a block
+      the step copies from a bad block, a Mamba partial hit's copy-on-write,
+      is read as its source, and an entry moved onto it is removed), from its
       hit on; found to a fixed point, since a same-step hit on a block such a
       reader registered is bad too. What a reader loaded or wrote below its
       hit stays, unless a later step in flight computes it again from a lower
@@ -176,7 +178,8 @@ class FailedKVLoads:
                     removed = self._remove_bad(req_id, entries.pop(req_id))
                     if req_id in self.loaders:
                         self.loaders[req_id].update(removed)
-            self._remove_readers(entries, admitted, tainted, kept)
+            copied_from = self._remove_copies_of_bad(output, entries)
+            self._remove_readers(entries, admitted, tainted, kept, copied_from)
         self.readers = tainted - loaders
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 
@@ -231,28 +234,54 @@ class FailedKVLoads:
             loaders.add(req_id)
         return loaders
 
+    def _remove_copies_of_bad(
+        self, scheduler_output: SchedulerOutput, entries: StepCacheEntries
+    ) -> dict[int, int]:
+        """Find the blocks a step copies from a bad block, and remove the
+        entries moved onto them; return them, destination -> source.
+
+        A Mamba partial prefix-cache hit reads its state through a private copy
+        of the block it hit (`kv_cache_block_copies`, run before the step's
+        forward pass), and a running request's checkpoint moves onto such a
+        copy (`move_block_hashes`; the entry is kept under None). The copy
+        holds what its source held when the step began; steps walked earlier
+        made every block that was bad by then bad, and a write in this step
+        comes after the copy.
+        """
+        copied_from = {
+            copy.dst_block_id: copy.src_block_id
+            for copy in scheduler_output.kv_cache_block_copies or ()
+            if copy.src_block_id in self.bad_blocks
+        }
+        if copied_from and None in entries:
+            moved, other = partition(
+                entries.pop(None), lambda e: e[1].block_id in copied_from
+            )
+            self.uncommitted.keep(entries, None, other)
+            self._remove_bad(None, moved)
+        return copied_from
+
     def _remove_readers(
         self,
         entries: StepCacheEntries,
         admitted: dict[str, tuple[Sequence[Sequence[int]], int]],
         tainted: set[str],
         kept: dict[str, StepCacheEntries],
+        copied_from: dict[int, int],
     ) -> None:
         """Remove what the admissions of one step compute over a bad block,
         until no more are found (a same-step hit on a block a reader
-        registered is bad too)."""
+        registered is bad too). A block the step copied from a bad one
+        (`copied_from`) is read as its source."""
         changed = True
         while changed:
             changed = False
             for req_id, (block_ids, num_computed_tokens) in list(admitted.items()):
                 own = {block.block_id for _, block, _ in entries.get(req_id, ())}
+                read = blocks_read(block_ids, num_computed_tokens, self.block_sizes)
                 if not any(
-                    block_id in self.bad_blocks
-                    and block_id not in own
-                    and (self.bad_blocks[block_id] or not self._holds(req_id, block_id))
-                    for block_id in blocks_read(
-                        block_ids, num_computed_tokens, self.block_sizes
-                    )
+                    self._reads_bad(req_id, copied_from.get(block_id, block_id), own)
+                    for block_id in read
                 ):
                     continue
                 del admitted[req_id]
@@ -262,6 +291,17 @@ class FailedKVLoads:
                 self._remove_computed_from(entries, req_id, num_computed_tokens)
                 kept[req_id] = entries
                 changed = True
+
+    def _reads_bad(self, req_id: str, block_id: int, own: set[int]) -> bool:
+        """Whether a request admitted on a hit that includes a block reads bad
+        KV there: the block is bad, the request does not write it in the step,
+        and it does not still hold it unchanged (an entry removed from the
+        block after it was evicted may name other content than the hit)."""
+        return (
+            block_id in self.bad_blocks
+            and block_id not in own
+            and (self.bad_blocks[block_id] or not self._holds(req_id, block_id))
+        )
 
     def _remove_computed_from(
         self, entries: StepCacheEntries, req_id: str, num_tokens: int
@@ -273,7 +313,9 @@ class FailedKVLoads:
         self.uncommitted.keep(entries, req_id, written)
         self._remove_bad(req_id, unwritten)
 
-    def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
+    def _remove_bad(
+        self, req_id: str | None, entries: list[UncommittedEntry]
+    ) -> set[int]:
         """Remove entries loaded as, or computed over, bad KV; their blocks
         become bad. Returns their block IDs."""
         for entry in reversed(entries):

@@ -251,7 +251,7 @@ class UncommittedPrefixCache:
 
     @staticmethod
     def keep(
-        entries: StepCacheEntries, req_id: str, kept: list[UncommittedEntry]
+        entries: StepCacheEntries, req_id: str | None, kept: list[UncommittedEntry]
     ) -> None:
         """Put (back) entries of `req_id` into a step's record."""
         if kept:

@@ -97,7 +97,8 @@ class KeptEntriesStay(FailedKVLoads):
                     removed = self._remove_bad(req_id, entries.pop(req_id))
                     if req_id in self.loaders:
                         self.loaders[req_id].update(removed)
-            self._remove_readers(entries, admitted, tainted, kept)
+            copied_from = self._remove_copies_of_bad(output, entries)
+            self._remove_readers(entries, admitted, tainted, kept, copied_from)
         self.readers = tainted - loaders
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 

@@ -418,7 +418,7 @@ class AuditedFailedKVLoads(FailedKVLoads):
         finally:
             self._cause = None
 
-    def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
+    def _remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
         # Called by the walk itself for a request tainted since an earlier step.
         cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
         if self.uncommitted.not_computed:
@@ -538,7 +538,7 @@ class IdealFailedKVLoads(AuditedFailedKVLoads):
 
     uncommitted: IdealPolicy
 
-    def _remove_bad(self, req_id: str, entries: list[UncommittedEntry]) -> set[int]:
+    def _remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
         return super()._remove_bad(
             req_id, [entry for entry in entries if not self.uncommitted.keeps(entry)]
         )
