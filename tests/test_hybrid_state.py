@@ -263,7 +263,7 @@ def test_the_guard_without_its_copy_rule_reads_bad_state(
     reason = partial_state_hits_unsound()
     if reason is not None:
         pytest.skip(reason)
-    monkeypatch.setattr(FailedKVLoads, "_remove_copies_of_bad", lambda self, output, entries: {})
+    monkeypatch.setattr(FailedKVLoads, "_copied_from_bad", lambda self, output: {})
     workload, reader, bad_reads = THROUGH_A_COPY[layout]
     result = run_workload(workload, "guard")
     assert (result.bad_state_reads, result.violations) == bad_reads

@@ -96,13 +96,14 @@ class FailedKVLoads:
       until it is admitted afresh;
     - the entries of every request admitted on a prefix hit that includes a bad
       block it neither writes in that step nor still holds unchanged (a block
-      the step copies from a bad block, a Mamba partial hit's copy-on-write,
-      is read as its source, and an entry moved onto it is removed), from its
-      hit on; found to a fixed point, since a same-step hit on a block such a
-      reader registered is bad too. What a reader loaded or wrote below its
-      hit stays, unless a later step in flight computes it again from a lower
-      token (vLLM blamed it, by block ID, for an earlier failed load on a
-      block it was given since, and rewound it): then that goes too.
+      the step copies from one bad when the step began, a Mamba partial hit's
+      copy-on-write, is read as its source, and an entry moved onto it is
+      removed), from its hit on; found to a fixed point, since a same-step hit
+      on a block such a reader registered is bad too. What a reader loaded or
+      wrote below its hit stays, unless a later step in flight computes it
+      again from a lower token (vLLM blamed it, by block ID, for an earlier
+      failed load on a block it was given since, and rewound it): then that
+      goes too.
 
     Invariant: when `roll_back` returns, no entry of those steps names KV that was
     loaded by the failed load or computed over it, and `reads_bad_kv` holds
@@ -159,6 +160,10 @@ class FailedKVLoads:
         # loaded or written before it read bad KV.
         kept: dict[str, StepCacheEntries] = {}
         for index, (output, entries) in enumerate(steps):
+            # The step's block copies ran before its forward pass: from what was bad
+            # when it began, which the steps walked before it made bad (none for the
+            # first: its own entries name what it writes after its copies).
+            copied_from = self._copied_from_bad(output) if index else {}
             admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
             for req_id, block_ids, num_computed_tokens in admissions(output):
                 if index or req_id not in loaders:
@@ -178,7 +183,7 @@ class FailedKVLoads:
                     removed = self._remove_bad(req_id, entries.pop(req_id))
                     if req_id in self.loaders:
                         self.loaders[req_id].update(removed)
-            copied_from = self._remove_copies_of_bad(output, entries)
+            self._remove_moved_onto(entries, copied_from)
             self._remove_readers(entries, admitted, tainted, kept, copied_from)
         self.readers = tainted - loaders
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
@@ -234,32 +239,31 @@ class FailedKVLoads:
             loaders.add(req_id)
         return loaders
 
-    def _remove_copies_of_bad(
-        self, scheduler_output: SchedulerOutput, entries: StepCacheEntries
-    ) -> dict[int, int]:
-        """Find the blocks a step copies from a bad block, and remove the
-        entries moved onto them; return them, destination -> source.
+    def _copied_from_bad(self, scheduler_output: SchedulerOutput) -> dict[int, int]:
+        """The blocks a step copies from a bad block, destination -> source.
 
         A Mamba partial prefix-cache hit reads its state through a private copy
-        of the block it hit (`kv_cache_block_copies`, run before the step's
-        forward pass), and a running request's checkpoint moves onto such a
-        copy (`move_block_hashes`; the entry is kept under None). The copy
-        holds what its source held when the step began; steps walked earlier
-        made every block that was bad by then bad, and a write in this step
-        comes after the copy.
+        of the block it hit (`kv_cache_block_copies`), and a running request's
+        checkpoint moves onto such a copy when its step would overwrite the
+        block (`move_block_hashes`). A copy holds what its source held.
         """
-        copied_from = {
+        return {
             copy.dst_block_id: copy.src_block_id
             for copy in scheduler_output.kv_cache_block_copies or ()
             if copy.src_block_id in self.bad_blocks
         }
+
+    def _remove_moved_onto(
+        self, entries: StepCacheEntries, copied_from: dict[int, int]
+    ) -> None:
+        """Remove the entries a step moved onto a copy of a bad block (made on
+        no request's behalf, kept under None)."""
         if copied_from and None in entries:
             moved, other = partition(
                 entries.pop(None), lambda e: e[1].block_id in copied_from
             )
             self.uncommitted.keep(entries, None, other)
             self._remove_bad(None, moved)
-        return copied_from
 
     def _remove_readers(
         self,

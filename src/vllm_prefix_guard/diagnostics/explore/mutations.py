@@ -86,6 +86,7 @@ class KeptEntriesStay(FailedKVLoads):
         tainted = set(loaders)
         kept: dict[str, StepCacheEntries] = {}
         for index, (output, entries) in enumerate(steps):
+            copied_from = self._copied_from_bad(output) if index else {}
             admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
             for req_id, block_ids, num_computed_tokens in admissions(output):
                 if index or req_id not in loaders:
@@ -97,7 +98,7 @@ class KeptEntriesStay(FailedKVLoads):
                     removed = self._remove_bad(req_id, entries.pop(req_id))
                     if req_id in self.loaders:
                         self.loaders[req_id].update(removed)
-            copied_from = self._remove_copies_of_bad(output, entries)
+            self._remove_moved_onto(entries, copied_from)
             self._remove_readers(entries, admitted, tainted, kept, copied_from)
         self.readers = tainted - loaders
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
