@@ -614,10 +614,11 @@ class ShadowWorker:
         ]
         connector_output = None
         if invalid or received:
+            # Named only when a load failed as a whole: an older KVConnectorOutput has no
+            # failed_recving (capabilities.failed_loads_unreported: not run there).
+            by_request = {"failed_recving": failed_received} if failed_received else {}
             connector_output = KVConnectorOutput(
-                finished_recving=received or None,
-                invalid_block_ids=invalid,
-                failed_recving=failed_received,
+                finished_recving=received or None, invalid_block_ids=invalid, **by_request
             )
         return ModelRunnerOutput(
             req_ids=req_ids,

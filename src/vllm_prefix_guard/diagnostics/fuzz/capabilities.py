@@ -24,6 +24,10 @@ and the loaded request is never resumed, with and without the guard. vLLM 0.31 k
 requests that hold blocks in a queue of their own. :data:`ASYNC_LOAD_PROBE` is the
 smallest such layout: a low-priority request loading 64 tokens, then a higher-priority one
 needing more blocks than are left.
+
+Per-request load failures. A worker reports an asynchronous load that failed as a whole in
+``KVConnectorOutput.failed_recving``; vLLM 0.27 has no such field (measured by
+``nox -s compat``), so the configurations whose asynchronous loads fail are not run there.
 """
 
 from __future__ import annotations
@@ -151,6 +155,22 @@ def async_loads_stall() -> str | None:
         "this vLLM never resumes a request whose asynchronous load is done while a waiting "
         "request ahead of it cannot be admitted (stock and guard alike stall in "
         "capabilities.ASYNC_LOAD_PROBE; vLLM 0.30 measured)"
+    )
+
+
+@cache
+def failed_loads_unreported() -> str | None:
+    """Why this vLLM cannot be told that an asynchronous load failed as a whole (None: it
+    can): its ``KVConnectorOutput`` takes no ``failed_recving``."""
+    import inspect
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    if "failed_recving" in inspect.signature(KVConnectorOutput).parameters:
+        return None
+    return (
+        "this vLLM's KVConnectorOutput has no failed_recving: a worker cannot report an "
+        "asynchronous load that failed as a whole"
     )
 
 

@@ -74,9 +74,11 @@ class FuzzConfig:
         can); see ``capabilities``. Importing vLLM, and probing it once per process."""
         from vllm_prefix_guard.diagnostics.fuzz import capabilities
 
-        stall = capabilities.async_loads_stall() if self.loads_asynchronously else None
-        if stall is not None:
-            return stall
+        if self.loads_asynchronously:
+            unreported = capabilities.failed_loads_unreported() if self.fails_kv_loads else None
+            reason = unreported or capabilities.async_loads_stall()
+            if reason is not None:
+                return reason
         if self.spec.mamba_block_multiple > 1:
             return capabilities.partial_state_hits_unsound()
         return None
