@@ -10,13 +10,28 @@ pin that such entries are removed, and that a request admitted on a hit of them
 in a step in flight is preempted to recompute (its output of that step
 dropped). An output that lists the aborted request keeps its entries, as
 before (`test_abort_while_step_in_flight_keeps_its_entries` in
-`test_uncommitted_prefix_cache.py`).
+`test_uncommitted_prefix_cache.py`). On a hybrid model the reader may hit such
+a state only through a copy: a Mamba partial prefix-cache hit copies the
+checkpoint it hits into a block of its own before its step runs.
 """
 
 import pytest
+import torch
 
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
 # A worker's output listing the step's requests among those given (none: all left out).
 from .test_uncommitted_prefix_cache import model_runner_output, num_hit_tokens
@@ -25,6 +40,9 @@ from .utils import create_requests, create_scheduler
 pytestmark = pytest.mark.cpu_test
 
 BLOCK_SIZE = 16
+# The hybrid model's state block: four attention blocks, so a prefix hit may end
+# inside one, on a checkpoint of the state at that attention-block boundary.
+STATE_BLOCK_SIZE = 64
 
 
 def abort_in_flight(async_scheduling: bool) -> tuple[Scheduler, list[Request]]:
@@ -78,3 +96,117 @@ def test_retry_admitted_on_a_request_left_out_recomputes():
 
     recomputed = scheduler.schedule()
     assert recomputed.num_scheduled_tokens == {retry.request_id: 64}
+
+
+def create_hybrid_scheduler() -> AsyncScheduler:
+    """Full attention plus a Mamba group in align mode, async scheduling, as a
+    GPU engine builds it (the scheduler steps in state blocks and hashes in
+    attention blocks)."""
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            long_prefill_token_threshold=64,
+            is_encoder_decoder=False,
+            async_scheduling=True,
+        ),
+        cache_config=CacheConfig(
+            block_size=STATE_BLOCK_SIZE,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align",
+            mamba_block_size=STATE_BLOCK_SIZE,
+        ),
+    )
+    # A platform without async scheduling turns it off in the config.
+    vllm_config.scheduler_config.async_scheduling = True
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["attention"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["mamba"],
+                MambaSpec(
+                    block_size=STATE_BLOCK_SIZE,
+                    shapes=((1, 1),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
+                ),
+            ),
+        ],
+    )
+    vllm_config.cache_config.num_gpu_blocks = 64
+    return AsyncScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=STATE_BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
+
+
+def create_request(request_id: str, prompt: list[int], max_tokens: int) -> Request:
+    create_requests(num_requests=1)  # Initializes the hash of the empty prefix.
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+def test_reader_of_a_state_left_out_through_its_copy_recomputes():
+    """A computes a 200-token prompt. D, its first 176 tokens, runs two chunks:
+    128 tokens, then 32 more with a checkpoint of its state at 160 in the block
+    it computes, and is aborted meanwhile. R, A's first 176 tokens then its own,
+    is admitted on a hit of 160 tokens; its step first copies D's checkpoint
+    into R's own block, so no block R holds is one whose state was left out.
+    The output of D's second chunk leaves D out: R read a state nobody wrote
+    through the copy, and is preempted to recompute from D's state at 128."""
+    scheduler = create_hybrid_scheduler()
+    prompt = list(range(1000, 1200))
+    a = create_request("A", prompt, max_tokens=1)
+    scheduler.add_request(a)
+    while scheduler.get_num_unfinished_requests():
+        scheduler_output = scheduler.schedule()
+        scheduler.update_from_output(
+            scheduler_output, model_runner_output(scheduler_output, [a])
+        )
+    d = create_request("D", prompt[:176], max_tokens=5)
+    r = create_request("R", prompt[:176] + list(range(6000, 6030)), max_tokens=3)
+    scheduler.add_request(d)
+    first_chunk = scheduler.schedule()
+    left_out = scheduler.schedule()
+    assert left_out.num_scheduled_tokens == {d.request_id: 32}
+    scheduler.finish_requests(d.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(first_chunk, model_runner_output(first_chunk, [d]))
+    scheduler.add_request(r)
+    copying = scheduler.schedule()
+    [admitted] = copying.scheduled_new_reqs
+    assert admitted.num_computed_tokens == 160
+    [copy] = copying.kv_cache_block_copies
+    state_block_ids = admitted.block_ids[1]
+    assert copy.dst_block_id in state_block_ids
+    assert copy.src_block_id not in state_block_ids
+
+    scheduler.update_from_output(left_out, model_runner_output(left_out, [r]))
+    assert r.status == RequestStatus.PREEMPTED  # RUNNING without the copy
+    assert r.num_computed_tokens == 0
+    assert num_hit_tokens(scheduler, r) == 128
+    outputs = scheduler.update_from_output(copying, model_runner_output(copying, [r]))
+    assert not any(output.outputs for output in outputs.values())
+    resumed = scheduler.schedule().scheduled_cached_reqs
+    assert resumed.resumed_req_ids == {r.request_id}
+    assert resumed.num_computed_tokens == [128]
