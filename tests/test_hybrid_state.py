@@ -270,6 +270,40 @@ def test_the_guard_without_its_copy_rule_reads_bad_state(
     assert {request_id for _, request_id, *_ in result.examples} == {reader}
 
 
+def retired_boundary(filler: bool) -> tuple[Driver, int]:
+    """vLLM PR #57253's shape, async: P (a 70-token prompt) decodes on, and align mode
+    retires its state after 64 tokens (P's next pass does not need it; the block goes back
+    to the pool keeping its entry). With ``filler``, Q's prompt then needs the pool and
+    reclaims that block, and the entry goes with the reuse. R, P's prompt then its own,
+    arrives while P still runs: P's attention KV is there, held. Returns the driver and
+    R's prefix-cache hit."""
+    scheduler = make_scheduler(
+        num_blocks=20, mamba_align=True, async_scheduling=True, long_prefill_token_threshold=64
+    )
+    driver = Driver(scheduler, depth=2)
+    prompt = list(range(1000, 1070))
+    driver.add(make_request("P", prompt, max_tokens=60))
+    for step in range(30):
+        if step == 12 and filler:
+            driver.add(make_request("Q", list(range(5000, 5150)), max_tokens=2))
+        driver.step()
+    hits_before = driver.hit_tokens
+    driver.add(make_request("R", [*prompt, *range(9000, 9010)], max_tokens=2))
+    driver.run()
+    return driver, driver.hit_tokens - hits_before
+
+
+def test_a_retired_boundary_state_costs_hits_not_correctness(mode: str) -> None:
+    """#57253 reports lost hits: once the pool reuses the retired block, R's prefix has
+    attention KV but no state to resume from, and R computes it (64 hit tokens without
+    the filler, none with it). Stock and guard alike: the pool drops the entry when it
+    reuses the block, so no request resumes from the state Q wrote there."""
+    for filler, hit in ((False, 64), (True, 0)):
+        driver, hit_tokens = retired_boundary(filler)
+        assert hit_tokens == hit
+        assert driver.violations == 0, dict(driver.kv.counts)
+
+
 def test_a_block_copy_carries_the_state_it_holds() -> None:
     """vLLM 0.33's runner copies a Mamba partial hit's block (copy-on-write,
     ``SchedulerOutput.kv_cache_block_copies``) before the forward pass: the copy holds what
