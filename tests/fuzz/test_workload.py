@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.generators import (
     FailedLoadEpisodes,
     Traffic,
@@ -17,9 +17,9 @@ from vllm_prefix_guard.diagnostics.fuzz.generators import (
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(ALL_CONFIGS))
 def test_a_seed_names_one_workload(config: str) -> None:
-    first, again, other = (CONFIGS[config].workload(s, horizon=200) for s in (7, 7, 8))
+    first, again, other = (ALL_CONFIGS[config].workload(s, horizon=200) for s in (7, 7, 8))
     assert first == again
     assert first != other
     assert first.events == tuple(sorted(first.events, key=lambda e: e.step))

@@ -285,17 +285,24 @@ class ShadowState:
     def read(self, read: ScheduledRead) -> tuple[int | None, int | None, bool]:
         """``(block read, what it held, whether that is the state the step needs)`` for
         ``read``'s step; ``(None, None, True)`` when it starts from a fresh state."""
-        start = read.start
-        if not start:
+        if not read.start:
             return None, None, True
+        if read.request_id not in self.last_written:
+            self.resumed_from_hits += 1
+        block_id = self.block_read(read)
+        held = None if block_id is None else self.held.get(block_id)
+        return block_id, held, held == read.model.fingerprint(read.start - 1)
+
+    def block_read(self, read: ScheduledRead) -> int | None:
+        """The block ``read``'s step starts from: the one its last step wrote, else (new or
+        resumed) the block of its prefix hit; None for a fresh state or the null block."""
+        if not read.start:
+            return None
         blocks = read.state_block_ids[self.index]
         position = self.last_written.get(read.request_id)
-        if position is None:  # new or resumed: the block of its prefix hit
-            position = (start - 1) // self.block_size
-            self.resumed_from_hits += 1
-        block_id = blocks[position] if position < len(blocks) else None
-        held = None if block_id is None else self.held.get(block_id)
-        return block_id, held, held == read.model.fingerprint(start - 1)
+        if position is None:
+            position = (read.start - 1) // self.block_size
+        return blocks[position] if position < len(blocks) else None
 
     def position_written(self, read: ScheduledRead) -> int:
         """The position of the block ``read``'s step writes the state after its last
@@ -479,11 +486,11 @@ class ShadowWorker:
                 writer,
             )
 
-    def _not_written(self, dropped: list[ScheduledRead]) -> tuple[set[int], set[str]]:
-        """(The KV and state blocks ``dropped`` reads were to write, their requests)."""
+    def _blocks_written(self, reads: list[ScheduledRead]) -> set[int]:
+        """The KV and state blocks ``reads`` write (or were to write)."""
         blocks: set[int] = set()
         size = self.block_size
-        for read in dropped:
+        for read in reads:
             if read.num_tokens:
                 first, last = read.start // size, (read.start + read.num_tokens - 1) // size
                 blocks.update(read.block_ids[first : last + 1])
@@ -491,16 +498,51 @@ class ShadowWorker:
                 block_id = state.block_written(read)
                 if block_id is not None:
                     blocks.add(block_id)
-        return blocks, {read.request_id for read in dropped}
+        return blocks
+
+    def _grow_reports(
+        self,
+        plan: StepPlan,
+        pending: range,
+        excused: set[str],
+        copied_from: dict[int, int],
+    ) -> None:
+        """Requests of ``excused`` read wrong KV or state only where a report still pending
+        when their step was dispatched excuses it (a known loss): what they write in the
+        step is computed over it, and is that report's known loss too. With three steps in
+        flight, such a reader's next step (dispatched before the report as well) reads it;
+        vLLM learns at the report, and the steps dispatched after it are judged as usual.
+        Each reader's writes join the reports whose blocks it attended over or started
+        from (every pending report, for a reader tainted only by a same-step sharer)."""
+        size = self.block_size
+        reports = [self.failure_reports[index][0] for index in pending]
+        for read in plan.reads:
+            if read.request_id not in excused:
+                continue
+            attended = set(read.block_ids[: -(-read.start // size)])
+            for state in self.states:
+                block_id = state.block_read(read)
+                if block_id is not None:
+                    attended.update((block_id, copied_from.get(block_id, block_id)))
+            written = self._blocks_written([read])
+            sources = [blocks for blocks in reports if not attended.isdisjoint(blocks)]
+            for blocks in sources or reports:
+                blocks.update(written)
 
     def _read_states(
-        self, step: int, plan: StepPlan, known_failed: set[int], copied_from: dict[int, int]
+        self,
+        step: int,
+        plan: StepPlan,
+        known_failed: set[int],
+        copied_from: dict[int, int],
+        charged: set[str],
     ) -> set[str]:
         """Check the state each request of ``plan`` starts from, in every state group,
         before the step writes any (the runner copies it into place before the forward
         pass); return the requests that started from a wrong one. A wrong state in a
         block of ``known_failed``, or copied in this step from one (``copied_from``:
-        destination -> source), is a known loss: not counted."""
+        destination -> source), is a known loss: not counted. Requests whose wrong state
+        was counted go into ``charged``."""
         bad: set[str] = set()
         output = plan.output
         for state in self.states:
@@ -517,6 +559,7 @@ class ShadowWorker:
                     continue
                 kind = STATE_NEVER_WRITTEN if held is None else STATE_WRONG_CONTENT
                 self.kv.counts[kind] += 1
+                charged.add(read.request_id)
                 if len(self.kv.violations) < 100:
                     self.kv.violations.append(
                         Violation(step, read.request_id, read.start, block_id or -1, kind)
@@ -550,7 +593,8 @@ class ShadowWorker:
             # The output leaves these requests out: vLLM learns there that the KV and
             # state they were to write in this step are not written, as it learns of a
             # failed load; reads of them in steps dispatched before are a known loss.
-            self.failure_reports.append(self._not_written(plan.dropped))
+            dropped = {read.request_id for read in plan.dropped}
+            self.failure_reports.append((self._blocks_written(plan.dropped), dropped))
         # Failed loads reported after this step was dispatched: vLLM learns of them at
         # the report and recomputes; reads of those blocks, and every read of the request
         # whose load failed, are its known loss in this step, not a prefix-cache hit. So
@@ -560,7 +604,8 @@ class ShadowWorker:
         # invalid block, the guard preempts every reader of a bad block).
         known_failed: set[int] = set()
         known_lost: set[str] = set()
-        for index in range(plan.reports_before, len(self.failure_reports)):
+        pending = range(plan.reports_before, len(self.failure_reports))
+        for index in pending:
             blocks, requests = self.failure_reports[index][0], self.lost_by(index)
             for read in plan.reads:
                 if read.request_id in requests and read.num_tokens:
@@ -575,7 +620,8 @@ class ShadowWorker:
             copied_from[destination] = source
             for state in self.states:
                 state.copy(source, destination)
-        bad_state = self._read_states(step, plan, known_failed, copied_from)
+        charged: set[str] = set()  # requests with a bad read counted in this step
+        bad_state = self._read_states(step, plan, known_failed, copied_from, charged)
         for read in plan.reads:
             self._write_computed(read, poison=False)
         # KV of a token is computed from attention over its prefix (from the second
@@ -602,7 +648,13 @@ class ShadowWorker:
         if tainted:  # else every read was clean, and nothing was written since
             for read in plan.reads:
                 if read.request_id not in known_lost:
+                    counted = self.kv.counts.total()
                     self.kv.check_reads(step, read, known_failed)
+                    if self.kv.counts.total() != counted:
+                        charged.add(read.request_id)
+            excused = tainted - known_lost - charged
+            if excused:
+                self._grow_reports(plan, pending, excused, copied_from)
         for state in self.states:
             for read in plan.reads:
                 state.write(read, poison=read.request_id in tainted, step=step)

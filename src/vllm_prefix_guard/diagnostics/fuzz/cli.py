@@ -16,7 +16,13 @@ import os
 import sys
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig, runnable
+from vllm_prefix_guard.diagnostics.fuzz.configs import (
+    ALL_CONFIGS,
+    CONFIGS,
+    SOAK_ONLY,
+    FuzzConfig,
+    runnable,
+)
 from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
     current_hash_seed,
     reexec_with_fixed_hash_seed,
@@ -44,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         action="append",
-        choices=sorted(CONFIGS),
+        choices=sorted(ALL_CONFIGS),
         metavar="NAME",
-        help="configuration to run (repeatable; default: all; see --list)",
+        help="configuration to run (repeatable; default: all but the soak-only ones; see --list)",
     )
     parser.add_argument(
         "--modes",
@@ -84,8 +90,9 @@ def main(argv: list[str], reexec: bool = False) -> int:
 def run(args: argparse.Namespace) -> int:
     """The ``fuzz`` command; returns the exit status."""
     if args.list:
-        for config in CONFIGS.values():
+        for config in ALL_CONFIGS.values():
             mark = " [targeted]" if config.targeted else ""
+            mark += " [soak only]" if config.name in SOAK_ONLY else ""
             print(f"{config.name}{mark}: {config.description}")
         return EXIT_OK
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -113,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         except GuardUnsupportedError as exc:
             print(f"the guard cannot apply to this vLLM: {exc}", file=sys.stderr)
             return EXIT_UNSUPPORTED
-    configs = [CONFIGS[name] for name in args.config] if args.config else list(CONFIGS.values())
+    configs = [ALL_CONFIGS[name] for name in args.config] if args.config else list(CONFIGS.values())
     configs, skipped = runnable(configs)
     for name, reason in skipped.items():
         print(f"{name}: not run: {reason}", file=sys.stderr)

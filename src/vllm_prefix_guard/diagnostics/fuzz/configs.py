@@ -381,6 +381,24 @@ CONFIGS.update(
 )
 
 
+#: Configurations outside CI's set (its tests, the upstream proof and ``fuzz`` without
+#: ``--config`` run :data:`CONFIGS`): the soak runs them, ``fuzz --config NAME`` on request.
+#: Each has a fast representative in CI, a hand-built layout named in its description.
+SOAK_ONLY: dict[str, FuzzConfig] = {
+    "hybrid-partial-retry-async-drop-depth3": dataclasses.replace(
+        CONFIGS["hybrid-partial-retry-async-drop"],
+        name="hybrid-partial-retry-async-drop-depth3",
+        description="as hybrid-partial-retry-async-drop, with three steps in flight (a batch "
+        "queue three deep, as pipeline parallelism keeps): checkpoints moved onto copies "
+        "while the step that names them is still in flight (CI: tests/layouts.py "
+        "HYBRID_MOVED_CHECKPOINT)",
+        depth=3,
+    )
+}
+#: Every configuration, by name.
+ALL_CONFIGS: dict[str, FuzzConfig] = {**CONFIGS, **SOAK_ONLY}
+
+
 def runnable(configs: list[FuzzConfig]) -> tuple[list[FuzzConfig], dict[str, str]]:
     """(The configurations the installed vLLM can judge the guard on, and why the others
     cannot, by name), each in order."""

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, FuzzConfig, runnable
+from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, FuzzConfig, runnable
 from vllm_prefix_guard.diagnostics.fuzz.differential import ConfigResult, run_seed
 from vllm_prefix_guard.diagnostics.fuzz.hash_seed import (
     current_hash_seed,
@@ -73,7 +73,7 @@ def timing_table(results: list[ConfigResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--config", action="append", choices=sorted(CONFIGS), metavar="NAME")
+    parser.add_argument("--config", action="append", choices=sorted(ALL_CONFIGS), metavar="NAME")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--horizon-factor", type=int, default=5)
     parser.add_argument("--jobs", type=int, default=1, help="configurations run in parallel")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_prefix_guard.diagnostics.fuzz.report import checks_text, markdown_table, summary_table
 
     modes = tuple(m.strip() for m in args.modes.split(","))
-    configs = [CONFIGS[n] for n in args.config] if args.config else list(CONFIGS.values())
+    configs = [ALL_CONFIGS[n] for n in args.config] if args.config else list(ALL_CONFIGS.values())
     configs, skipped = runnable(configs)
     if not configs:
         for name, reason in skipped.items():
