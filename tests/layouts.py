@@ -418,3 +418,33 @@ HYBRID_MOVED_CHECKPOINT = Workload(
         Arrive(17, "q", prompt=((1000, 176), (6000, 30)), max_tokens=3),
     ),
 )
+
+
+# Three steps in flight: r1 is dispatched with 64 tokens (its state for 64 registered) and
+# aborted, and the worker leaves it out of that step. r2, the same prompt, is admitted in
+# the next step on a hit of r1's never-written state and computes a second chunk in the
+# step after, both dispatched before the output that leaves r1 out: the guard preempts r2
+# there and vLLM drops both of r2's outputs (the oracle counts neither step's reads; it
+# found the guard "reading" in the second one before it grew a pending report by what an
+# excused reader writes). Shrunk from hybrid-partial-retry-async-drop-depth3, vLLM 0.33
+# seed 0. Stock keeps r2 running on what it computed there.
+HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT = Workload(
+    spec=SchedulerSpec(
+        num_blocks=48,
+        max_model_len=4096,
+        policy="priority",
+        long_prefill_token_threshold=64,
+        async_scheduling=True,
+        kv_events=True,
+        mamba_align=True,
+        mamba_block_multiple=4,
+    ),
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 93), (3000, 46)), max_tokens=1),
+        Arrive(3, "r1", prompt=((1000, 32), (2000, 93), (4000, 70)), max_tokens=1, priority=2),
+        Arrive(3, "r2", prompt=((1000, 32), (2000, 93), (4000, 70)), max_tokens=1, priority=2),
+        Abort(3, "r1"),
+    ),
+)

@@ -21,6 +21,7 @@ from layouts import (
     HYBRID_MOVED_CHECKPOINT,
     HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
     HYBRID_PARTIAL_ZOMBIE_STATE,
+    HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
     HYBRID_WRONG_STATE_0_33,
 )
 from native_fix import guard_only
@@ -268,6 +269,22 @@ def test_the_guard_without_its_copy_rule_reads_bad_state(
     result = run_workload(workload, "guard")
     assert (result.bad_state_reads, result.violations) == bad_reads
     assert {request_id for _, request_id, *_ in result.examples} == {reader}
+
+
+def test_a_reader_preempted_with_two_steps_in_flight_reads_nothing_after(mode: str) -> None:
+    """Three steps in flight: the reader of a never-written state computes in two steps
+    dispatched before the output that leaves the writer out. The guard preempts it there
+    (vLLM drops both outputs: the oracle counts neither step's reads); stock keeps it running
+    on what it computed (vLLM 0.32 and 0.33: 129 bad reads, 1 from a wrong state)."""
+    reason = partial_state_hits_unsound()
+    if reason is not None:
+        pytest.skip(reason)
+    result = run_workload(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT, mode)
+    if mode == "stock":
+        assert (result.bad_state_reads, result.violations) == (1, 129)
+        assert {request_id for _, request_id, *_ in result.examples} == {"r2"}
+    else:
+        assert result.violations == 0, result.examples[:5]
 
 
 def retired_boundary(filler: bool) -> tuple[Driver, int]:
