@@ -44,6 +44,9 @@ WRONG_CONTENT = "wrong_content"
 # A step started from a state block that never held a state, or held another prefix's.
 STATE_NEVER_WRITTEN = "state_never_written"
 STATE_WRONG_CONTENT = "state_wrong_content"
+# A step read bad KV or state a report still pending at its dispatch excuses (vLLM learns
+# at the report and must recompute), and its sampled token was delivered all the same.
+OUTPUT_OVER_BAD_KV = "output_over_bad_kv"
 
 
 # The token a request holds at a position past its prompt: ``sample(position)``.
@@ -129,6 +132,9 @@ class StepPlan:
     reports_before: int = 0
     # Reads the worker left out (``Driver.drop_aborted``): the step's output omits them.
     dropped: list[ScheduledRead] = field(default_factory=list)
+    # Requests whose bad reads in this step a pending report excused, but for those whose
+    # own load failed (set when executed): their sampled tokens must not be delivered.
+    excused: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -620,6 +626,13 @@ class ShadowWorker:
             copied_from[destination] = source
             for state in self.states:
                 state.copy(source, destination)
+            # A copy of what a pending report excuses is that report's known loss too (a
+            # checkpoint moved onto it, read by a step dispatched before the report).
+            for index in pending:
+                blocks = self.failure_reports[index][0]
+                if source in blocks:
+                    blocks.add(destination)
+                    known_failed.add(destination)
         charged: set[str] = set()  # requests with a bad read counted in this step
         bad_state = self._read_states(step, plan, known_failed, copied_from, charged)
         for read in plan.reads:
@@ -655,6 +668,10 @@ class ShadowWorker:
             excused = tainted - known_lost - charged
             if excused:
                 self._grow_reports(plan, pending, excused, copied_from)
+            # The requests whose own load failed are vLLM's to recover (it truncates them;
+            # under async scheduling it still delivers the token of their step in flight,
+            # stock and guard alike: outside prefix caching, not judged here).
+            plan.excused = tainted - charged - known_lost
         for state in self.states:
             for read in plan.reads:
                 state.write(read, poison=read.request_id in tainted, step=step)
@@ -822,8 +839,23 @@ class Driver:
         if self.pending_aborts:
             self._finish_aborted(self.pending_aborts)
             self.pending_aborts = []
-        self.call_update(plan.output, result)
+        outputs = self.call_update(plan.output, result)
+        if plan.excused and outputs:
+            self._check_excused(plan, outputs)
         return result
+
+    def _check_excused(self, plan: StepPlan, outputs: Any) -> None:
+        """A read a pending report excused is a known loss only if vLLM recomputes it:
+        the token its step sampled must not reach the client."""
+        step = self.worker.steps_executed - 1
+        for client_outputs in outputs.values():
+            for output in client_outputs.outputs:
+                if output.request_id in plan.excused and output.new_token_ids:
+                    self.kv.counts[OUTPUT_OVER_BAD_KV] += 1
+                    if len(self.kv.violations) < 100:
+                        self.kv.violations.append(
+                            Violation(step, output.request_id, -1, -1, OUTPUT_OVER_BAD_KV)
+                        )
 
     def step(self) -> None:
         """One engine iteration, as ``step_with_batch_queue``: schedule a step if there is
