@@ -448,3 +448,23 @@ HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT = Workload(
         Abort(3, "r1"),
     ),
 )
+
+
+# Three steps in flight: r0's second and third chunks are left out (r0 is aborted after its
+# first chunk's step is dispatched); the third chunk's step moved r0's checkpoint at 96
+# (never written: the second chunk's) onto a copy. r1, r0's prompt, is admitted before
+# either report on a hit of that checkpoint through a second copy, and samples its token
+# there. The guard preempts r1 at the first report and drops the token; stock delivers a
+# token computed over a never-written state. Shrunk from
+# hybrid-partial-retry-async-drop-depth3 at the soak's horizon (vLLM 0.33, seed 0).
+HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT = Workload(
+    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 72)), max_tokens=1, priority=4),
+        Abort(0, "r0"),
+        Arrive(1, "r1", prompt=((1000, 32), (2000, 72)), max_tokens=1, priority=4),
+        Arrive(3, "r2", prompt=((1000, 32), (3000, 62)), max_tokens=1),
+    ),
+)

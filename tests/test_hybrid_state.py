@@ -22,6 +22,7 @@ from layouts import (
     HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
     HYBRID_PARTIAL_ZOMBIE_STATE,
     HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
+    HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
     HYBRID_WRONG_STATE_0_33,
 )
 from native_fix import guard_only
@@ -33,6 +34,7 @@ from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, expand
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     NEVER_WRITTEN,
+    OUTPUT_OVER_BAD_KV,
     STATE_WRONG_CONTENT,
     Driver,
 )
@@ -283,6 +285,22 @@ def test_a_reader_preempted_with_two_steps_in_flight_reads_nothing_after(mode: s
     if mode == "stock":
         assert (result.bad_state_reads, result.violations) == (1, 129)
         assert {request_id for _, request_id, *_ in result.examples} == {"r2"}
+    else:
+        assert result.violations == 0, result.examples[:5]
+
+
+def test_a_token_sampled_over_a_moved_never_written_checkpoint_is_dropped(mode: str) -> None:
+    """A read a pending report excuses is vLLM's known loss only if vLLM recomputes it: the
+    retry reads a never-written checkpoint through two copies in a step dispatched before
+    the reports and samples its last token there. The guard preempts it at the report
+    (the token dropped); stock delivers it (vLLM 0.32 and 0.33)."""
+    reason = partial_state_hits_unsound()
+    if reason is not None:
+        pytest.skip(reason)
+    result = run_workload(HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT, mode)
+    if mode == "stock":
+        assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
+        assert result.examples == [(3, "r1", -1, -1, OUTPUT_OVER_BAD_KV)]
     else:
         assert result.violations == 0, result.examples[:5]
 

@@ -35,7 +35,9 @@ def _row(result: ConfigResult, run: RunResult, first: bool) -> list[str]:
         name if first else "",
         run.mode,
         f"{run.violations} ({run.never_written} / {run.wrong_content}"
-        + (f"; {run.bad_state_reads} from a wrong state)" if run.bad_state_reads else ")"),
+        + (f"; {run.bad_state_reads} from a wrong state" if run.bad_state_reads else "")
+        + (f"; {run.outputs_over_bad_kv} outputs over it" if run.outputs_over_bad_kv else "")
+        + ")",
         str(run.hit_tokens),
         str(run.invalid_hit_tokens),
         str(run.computed_tokens),

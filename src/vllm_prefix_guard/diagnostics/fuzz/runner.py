@@ -40,6 +40,7 @@ from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     NEVER_WRITTEN,
+    OUTPUT_OVER_BAD_KV,
     STATE_NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
     WRONG_CONTENT,
@@ -72,6 +73,9 @@ class RunResult:
     # Steps that started a request from a wrong recurrent state (hybrid state groups):
     # each corrupts everything the request computes after it.
     bad_state_reads: int = 0
+    # Steps whose read a pending failure report excused (a known loss only if vLLM then
+    # recomputes it) and whose sampled token reached the client all the same.
+    outputs_over_bad_kv: int = 0
     hit_tokens: int = 0
     # Hit tokens whose KV was never written or holds another prefix, and admissions
     # (resumes included) that read such KV.
@@ -122,7 +126,12 @@ class RunResult:
 
     @property
     def violations(self) -> int:
-        return self.never_written + self.wrong_content + self.bad_state_reads
+        return (
+            self.never_written
+            + self.wrong_content
+            + self.bad_state_reads
+            + self.outputs_over_bad_kv
+        )
 
     @property
     def valid_hit_tokens(self) -> int:
@@ -315,6 +324,7 @@ def _result(
         never_written=counts[NEVER_WRITTEN],
         wrong_content=counts[WRONG_CONTENT],
         bad_state_reads=counts[STATE_NEVER_WRITTEN] + counts[STATE_WRONG_CONTENT],
+        outputs_over_bad_kv=counts[OUTPUT_OVER_BAD_KV],
         hit_tokens=driver.request_hit_tokens,
         invalid_hit_tokens=driver.fuzz_kv.invalid_hit_tokens,
         bad_admissions=driver.fuzz_kv.bad_admissions,
