@@ -429,15 +429,8 @@ HYBRID_MOVED_CHECKPOINT = Workload(
 # excused reader writes). Shrunk from hybrid-partial-retry-async-drop-depth3, vLLM 0.33
 # seed 0. Stock keeps r2 running on what it computed there.
 HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT = Workload(
-    spec=SchedulerSpec(
-        num_blocks=48,
-        max_model_len=4096,
-        policy="priority",
-        long_prefill_token_threshold=64,
-        async_scheduling=True,
-        kv_events=True,
-        mamba_align=True,
-        mamba_block_multiple=4,
+    spec=dataclasses.replace(
+        HYBRID_WRONG_STATE_0_33.spec, num_blocks=48, async_scheduling=True, mamba_block_multiple=4
     ),
     depth=3,
     drop_aborted=True,
