@@ -30,8 +30,8 @@ from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, expand
+from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult, run_workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload, expand
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     NEVER_WRITTEN,
     OUTPUT_OVER_BAD_KV,
@@ -209,6 +209,16 @@ def test_no_resume_from_a_wrong_state(mode: str) -> None:
         assert result.violations == 0, result.examples[:5]
 
 
+def run_partial_state_layout(workload: Workload, mode: str) -> RunResult:
+    """``workload`` (a state block of several attention blocks: partial state hits) run in
+    ``mode``, skipped where this vLLM copies partial-hit checkpoints wrong itself; on a vLLM
+    with its own fix (``native``), its stock run."""
+    reason = partial_state_hits_unsound()
+    if reason is not None:
+        pytest.skip(reason)
+    return run_workload(workload, "stock" if mode == "native" else mode)
+
+
 def test_no_resume_from_an_own_zombie_state_block(mode: str) -> None:
     """The fuzzer's stock finding on ``hybrid-partial-kv-load-async`` (vLLM 0.33 seed 5,
     0.32 seed 4), shrunk: the priority-preemption zombie on a state block that spans four
@@ -217,10 +227,7 @@ def test_no_resume_from_an_own_zombie_state_block(mode: str) -> None:
     0.33 read it; the guard rolls the entry back with the preemption. Where this vLLM's
     partial state hits are unsound (``capabilities``), the shrunk schedule is not
     judged."""
-    reason = partial_state_hits_unsound()
-    if reason is not None:
-        pytest.skip(reason)
-    result = run_workload(HYBRID_PARTIAL_ZOMBIE_STATE, "stock" if mode == "native" else mode)
+    result = run_partial_state_layout(HYBRID_PARTIAL_ZOMBIE_STATE, mode)
     if mode == "stock":
         _, request_id, position, _, kind = result.examples[0]
         assert (request_id, position, kind) == ("r11", 192, STATE_WRONG_CONTENT)
@@ -244,11 +251,8 @@ def test_a_state_read_through_a_copy_is_its_source(mode: str, layout: str) -> No
     block (``reader``), and a checkpoint moved onto a copy names what its source held
     (``moved-checkpoint``, three steps in flight). Stock vLLM 0.32/0.33 reads the
     never-written state; the guard preempts the reader, or removes the moved entry."""
-    reason = partial_state_hits_unsound()
-    if reason is not None:
-        pytest.skip(reason)
     workload, reader, bad_reads = THROUGH_A_COPY[layout]
-    result = run_workload(workload, "stock" if mode == "native" else mode)
+    result = run_partial_state_layout(workload, mode)
     if mode == "stock":
         assert (result.bad_state_reads, result.violations) == bad_reads
         assert {request_id for _, request_id, *_ in result.examples} == {reader}
@@ -263,12 +267,9 @@ def test_the_guard_without_its_copy_rule_reads_bad_state(
 ) -> None:
     """The rule's teeth: a walk that reads no ``kv_cache_block_copies`` lets the same
     request read the never-written state, as stock does."""
-    reason = partial_state_hits_unsound()
-    if reason is not None:
-        pytest.skip(reason)
     monkeypatch.setattr(FailedKVLoads, "_copied_from_bad", lambda self, output: {})
     workload, reader, bad_reads = THROUGH_A_COPY[layout]
-    result = run_workload(workload, "guard")
+    result = run_partial_state_layout(workload, "guard")
     assert (result.bad_state_reads, result.violations) == bad_reads
     assert {request_id for _, request_id, *_ in result.examples} == {reader}
 
@@ -278,10 +279,7 @@ def test_a_reader_preempted_with_two_steps_in_flight_reads_nothing_after(mode: s
     dispatched before the output that leaves the writer out. The guard preempts it there
     (vLLM drops both outputs: the oracle counts neither step's reads); stock keeps it running
     on what it computed (vLLM 0.32 and 0.33: 129 bad reads, 1 from a wrong state)."""
-    reason = partial_state_hits_unsound()
-    if reason is not None:
-        pytest.skip(reason)
-    result = run_workload(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT, mode)
+    result = run_partial_state_layout(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT, mode)
     if mode == "stock":
         assert (result.bad_state_reads, result.violations) == (1, 129)
         assert {request_id for _, request_id, *_ in result.examples} == {"r2"}
@@ -294,10 +292,7 @@ def test_a_token_sampled_over_a_moved_never_written_checkpoint_is_dropped(mode: 
     retry reads a never-written checkpoint through two copies in a step dispatched before
     the reports and samples its last token there. The guard preempts it at the report
     (the token dropped); stock delivers it (vLLM 0.32 and 0.33)."""
-    reason = partial_state_hits_unsound()
-    if reason is not None:
-        pytest.skip(reason)
-    result = run_workload(HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT, mode)
+    result = run_partial_state_layout(HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT, mode)
     if mode == "stock":
         assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
         assert result.examples == [(3, "r1", -1, -1, OUTPUT_OVER_BAD_KV)]

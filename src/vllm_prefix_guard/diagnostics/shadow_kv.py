@@ -170,6 +170,12 @@ class ShadowKV:
     written_at: dict[int, list[int]] = field(default_factory=dict)
     written_by: dict[int, list[str | None]] = field(default_factory=dict)
 
+    def record(self, violation: Violation) -> None:
+        """Count ``violation``; keep the first hundred as examples."""
+        self.counts[violation.kind] += 1
+        if len(self.violations) < 100:
+            self.violations.append(violation)
+
     def write(
         self, block_id: int, offset: int, fingerprint: int, writer: str | None = None
     ) -> None:
@@ -239,11 +245,7 @@ class ShadowKV:
                     if skipped or not record:
                         break
                     kind = NEVER_WRITTEN if held is None else WRONG_CONTENT
-                    self.counts[kind] += 1
-                    if len(self.violations) < 100:
-                        self.violations.append(
-                            Violation(step, request_id, position, block_id, kind)
-                        )
+                    self.record(Violation(step, request_id, position, block_id, kind))
                 if clean:
                     verified[key] = (block_id, version, upto)
             if clean and whole == index and upto == size:
@@ -564,12 +566,8 @@ class ShadowWorker:
                 ):
                     continue
                 kind = STATE_NEVER_WRITTEN if held is None else STATE_WRONG_CONTENT
-                self.kv.counts[kind] += 1
+                self.kv.record(Violation(step, read.request_id, read.start, block_id or -1, kind))
                 charged.add(read.request_id)
-                if len(self.kv.violations) < 100:
-                    self.kv.violations.append(
-                        Violation(step, read.request_id, read.start, block_id or -1, kind)
-                    )
         return bad
 
     def execute(self, plan: StepPlan) -> Any:
@@ -665,13 +663,12 @@ class ShadowWorker:
                     self.kv.check_reads(step, read, known_failed)
                     if self.kv.counts.total() != counted:
                         charged.add(read.request_id)
-            excused = tainted - known_lost - charged
-            if excused:
-                self._grow_reports(plan, pending, excused, copied_from)
             # The requests whose own load failed are vLLM's to recover (it truncates them;
             # under async scheduling it still delivers the token of their step in flight,
             # stock and guard alike: outside prefix caching, not judged here).
-            plan.excused = tainted - charged - known_lost
+            plan.excused = tainted - known_lost - charged
+            if plan.excused:
+                self._grow_reports(plan, pending, plan.excused, copied_from)
         for state in self.states:
             for read in plan.reads:
                 state.write(read, poison=read.request_id in tainted, step=step)
@@ -851,11 +848,7 @@ class Driver:
         for client_outputs in outputs.values():
             for output in client_outputs.outputs:
                 if output.request_id in plan.excused and output.new_token_ids:
-                    self.kv.counts[OUTPUT_OVER_BAD_KV] += 1
-                    if len(self.kv.violations) < 100:
-                        self.kv.violations.append(
-                            Violation(step, output.request_id, -1, -1, OUTPUT_OVER_BAD_KV)
-                        )
+                    self.kv.record(Violation(step, output.request_id, -1, -1, OUTPUT_OVER_BAD_KV))
 
     def step(self) -> None:
         """One engine iteration, as ``step_with_batch_queue``: schedule a step if there is

@@ -21,7 +21,7 @@ import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -157,7 +157,7 @@ def create_hybrid_scheduler() -> AsyncScheduler:
 
 
 def create_request(request_id: str, prompt: list[int], max_tokens: int) -> Request:
-    create_requests(num_requests=1)  # Initializes the hash of the empty prefix.
+    init_none_hash(sha256)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
