@@ -461,3 +461,23 @@ HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT = Workload(
         Arrive(3, "r2", prompt=((1000, 32), (3000, 62)), max_tokens=1),
     ),
 )
+
+
+# Three steps in flight: r0's last chunk (its state at 128 registered) is left out (r0 is
+# aborted while it runs). r1, r0's prompt then its own, is admitted on a hit of that state
+# and samples its token; before the report, vLLM's own priority preemption (hp arrives,
+# the pool is short) takes r1 back to the waiting queue, its token still in flight. At the
+# report the guard finds r1 no longer running: vLLM delivers a preempted request's
+# in-flight output unless told to drop it. The fuzzer's finding on
+# hybrid-partial-retry-async-drop-depth3 (vLLM 0.32 seed 1), rebuilt by hand.
+HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT = Workload(
+    spec=dataclasses.replace(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec, num_blocks=20),
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 96)), max_tokens=1, priority=4),
+        Arrive(1, "r1", prompt=((1000, 32), (2000, 96), (5000, 8)), max_tokens=1, priority=4),
+        Abort(3, "r0"),
+        Arrive(3, "hp", prompt=((7000, 200),), max_tokens=1),
+    ),
+)

@@ -50,8 +50,9 @@ def simulate_native_fix(
     """Give stock vLLM the series' API: an ``UncommittedPrefixCache`` with ``methods``
     (default: :data:`METHODS`), ``BlockPool.remove_uncommitted_entry`` (None: absent),
     if ``wired`` ``Scheduler.uncommitted_prefix_cache``, and if ``failed_kv_loads`` its
-    part 2: ``FailedKVLoads.reads_bad_kv`` and ``KVCacheManager.rewind_num_cached_blocks``
-    (without it, ``rollback_failed_loads`` is left out of the default methods too), and
+    part 2: ``FailedKVLoads.reads_bad_kv`` and ``drop_stale_output`` and
+    ``KVCacheManager.rewind_num_cached_blocks`` (without it, ``rollback_failed_loads`` is
+    left out of the default methods too), and
     if ``kv_events`` its part 3: ``BlockPool.uncached_block_hashes``."""
     if methods is None:
         methods = dict(METHODS)
@@ -65,7 +66,12 @@ def simulate_native_fix(
     if failed_kv_loads:
         module = types.ModuleType(targets.FAILED_KV_LOADS)
         module.FailedKVLoads = type(  # type: ignore[attr-defined]
-            "FailedKVLoads", (), {"reads_bad_kv": lambda self, request: False}
+            "FailedKVLoads",
+            (),
+            {
+                "reads_bad_kv": lambda self, request: False,
+                "drop_stale_output": lambda self, requests: 0,
+            },
         )
         monkeypatch.setitem(sys.modules, targets.FAILED_KV_LOADS, module)
         monkeypatch.setattr(

@@ -22,6 +22,7 @@ from layouts import (
     HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
     HYBRID_PARTIAL_ZOMBIE_STATE,
     HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
+    HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT,
     HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
     HYBRID_WRONG_STATE_0_33,
 )
@@ -298,6 +299,22 @@ def test_a_token_sampled_over_a_moved_never_written_checkpoint_is_dropped(mode: 
         assert result.examples == [(3, "r1", -1, -1, OUTPUT_OVER_BAD_KV)]
     else:
         assert result.violations == 0, result.examples[:5]
+
+
+def test_a_reader_vllm_preempted_before_the_report_has_its_token_dropped(mode: str) -> None:
+    """The reader of a never-written state is preempted by vLLM itself (priority) after
+    its step is dispatched and before the report that leaves the writer out: no longer
+    running, it is not the guard's to preempt, and vLLM would deliver its token as the
+    stale output of a preempted request. The guard sets that output to drop (vLLM 0.32
+    and 0.33: stock delivers it, and so did the guard before)."""
+    result = run_partial_state_layout(HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT, mode)
+    if mode == "stock":
+        assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
+        assert result.examples == [(3, "r1", -1, -1, OUTPUT_OVER_BAD_KV)]
+        assert result.preemptions == 1
+    else:
+        assert result.violations == 0, result.examples[:5]
+        assert result.dependents_preempted == 1
 
 
 def retired_boundary(filler: bool) -> tuple[Driver, int]:

@@ -255,6 +255,8 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
                 kv_connector_output.invalid_block_ids,
                 {request.request_id for request in self.running},
             )
+            # Readers preempted since: their output in flight is over bad KV.
+            failed_kv_loads.drop_stale_output(self.requests)
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is
         # safe to return deferred-free blocks to the pool.
@@ -357,26 +359,24 @@ KV_EVENTS: tuple[Edit, ...] = (
 NOT_COMPUTED: tuple[Edit, ...] = (
     Edit(
         SCHEDULER,
-        """                {request.request_id for request in self.running},
-            )
+        """            failed_kv_loads.drop_stale_output(self.requests)
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is
 """,
-        """                {request.request_id for request in self.running},
-            )
+        """            failed_kv_loads.drop_stale_output(self.requests)
         if self.uncommitted_prefix_cache is not None:
             # Requests the output leaves out were not computed.
             not_computed = self.uncommitted_prefix_cache.gather_not_computed(
                 scheduler_output, model_runner_output.req_id_to_index
             )
             if not_computed:
-                self._preempt_bad_kv_readers(
-                    self.uncommitted_prefix_cache.rollback_failed_loads(
-                        scheduler_output,
-                        not_computed,
-                        {request.request_id for request in self.running},
-                    )
+                left_out = self.uncommitted_prefix_cache.rollback_failed_loads(
+                    scheduler_output,
+                    not_computed,
+                    {request.request_id for request in self.running},
                 )
+                left_out.drop_stale_output(self.requests)
+                self._preempt_bad_kv_readers(left_out)
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is
 """,

@@ -69,7 +69,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     (
         "vllm:prefix_guard_dependents_preempted",
         "dependents_preempted",
-        "Requests preempted to recompute because they counted rolled-back blocks as computed.",
+        "Requests made to recompute (preempted, or their output in flight dropped) "
+        "because they computed over rolled-back blocks.",
     ),
 )
 ROLLBACKS = "vllm:prefix_guard_rollbacks"

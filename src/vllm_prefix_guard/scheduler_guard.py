@@ -70,18 +70,21 @@ class SchedulerGuard:
             yield
 
     def loads_failed(self, output: Any, invalid_block_ids: Iterable[int]) -> FailedKVLoads:
-        """``update_from_output`` got failed loads; before vLLM handles them."""
+        """``update_from_output`` got failed loads; before vLLM handles them (and reads
+        the output: readers vLLM preempted since have their output in flight dropped)."""
         removed = self.pool.guard_removed
         running = {request.request_id for request in self.scheduler.running}
         rollback = self.rules.rollback_failed_loads(output, set(invalid_block_ids), running)
         self.stats.rolled_back_kv_load_failure += self.pool.guard_removed - removed
+        self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
         return rollback
 
     def not_computed(self, output: Any, model_runner_output: Any) -> None:
         """``update_from_output`` got ``output``'s ``ModelRunnerOutput``; before vLLM reads
         it. A request the output leaves out was not computed (a worker dropped it): roll
         its entries of the step back as a failed load's, and preempt their readers now,
-        so that vLLM drops their output of this step with the rest of it."""
+        so that vLLM drops their output of this step with the rest of it (readers vLLM
+        preempted since have theirs dropped)."""
         blocks = self.rules.gather_not_computed(output, model_runner_output.req_id_to_index)
         if not blocks:
             return
@@ -89,6 +92,7 @@ class SchedulerGuard:
         running = {request.request_id for request in self.scheduler.running}
         rollback = self.rules.rollback_failed_loads(output, blocks, running)
         self.stats.rolled_back_not_computed += self.pool.guard_removed - removed
+        self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
         self.preempt_bad_kv_readers(rollback)
 
     def preempt_bad_kv_readers(self, rollback: FailedKVLoads) -> None:
@@ -138,7 +142,9 @@ class SchedulerGuard:
         return {**stats.as_dict(), "uncommitted_entries": self.rules.num_uncommitted_entries}
 
     def _count_readers(self, preempted: int) -> None:
-        """Count requests preempted for reading bad KV; warn the first time."""
+        """Count requests made to recompute for reading bad KV (preempted here, or
+        already preempted by vLLM and their output in flight dropped); warn the first
+        time."""
         if not preempted:
             return
         first = self.stats.dependents_preempted == 0

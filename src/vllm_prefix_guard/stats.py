@@ -47,7 +47,9 @@ class GuardStats:
     rolled_back_not_computed: int = 0
     # Entries skipped at rollback because the block was evicted or re-keyed since.
     stale_entries_skipped: int = 0
-    # Requests preempted because they counted a rolled-back block as computed.
+    # Requests made to recompute because they computed over a rolled-back block:
+    # preempted by the guard, or preempted by vLLM already and their output in flight
+    # dropped.
     dependents_preempted: int = 0
     # Largest number of entries held uncommitted at once (steps in flight).
     peak_uncommitted_entries: int = 0

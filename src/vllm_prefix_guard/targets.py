@@ -94,6 +94,7 @@ _HOOK = "scheduler hook"
 _POOL = "pool mixin"
 _LOAD = "KV-load failure rollback"
 _NOT_COMPUTED = "rollback of requests an output leaves out"
+_STALE = "output dropped of readers of bad KV vLLM preempted"
 
 #: Scheduler methods the guard wraps (each logged once when patched).
 SCHEDULER_HOOKS: tuple[Internal, ...] = (
@@ -185,6 +186,11 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
         "block_size",
     ),
     *_attributes(REQUEST, "Request", _LOAD, "request_id", "num_computed_tokens"),
+    # Readers vLLM preempted before the report: their output in flight is dropped.
+    *_attributes(SCHEDULER, "Scheduler", _STALE, "requests"),
+    *_attributes(
+        REQUEST, "Request", _STALE, "status", "num_stale_output_tokens", "drop_stale_output"
+    ),
     *_fields(
         SCHEDULER_OUTPUT,
         "SchedulerOutput",
@@ -220,6 +226,7 @@ RULES_IMPORTS: tuple[Internal, ...] = tuple(
         (MANAGER, "KVCacheManager"),
         (SCHEDULER_OUTPUT, "SchedulerOutput"),
         (REQUEST, "Request"),
+        (REQUEST, "RequestStatus"),
     )
 )
 
@@ -255,6 +262,7 @@ NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
     "part 2 (failed KV loads)": (
         ("UncommittedPrefixCache", "rollback_failed_loads", 3),
         ("FailedKVLoads", "reads_bad_kv", 1),
+        ("FailedKVLoads", "drop_stale_output", 1),
         ("KVCacheManager", "rewind_num_cached_blocks", 1),
     ),
     "part 3 (KV events with several blocks per hash)": (("BlockPool", "uncached_block_hashes", 1),),

@@ -20,12 +20,12 @@ leaves three ways to read bad KV, which `FailedKVLoads` closes:
   entries name KV computed over bad KV.
 """
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
 
@@ -202,6 +202,34 @@ class FailedKVLoads:
                 self.block_sizes,
             )
         )
+
+    def drop_stale_output(self, requests: Mapping[str, Request]) -> int:
+        """Drop the output still in flight of the requests that computed over
+        bad KV and that vLLM preempted since (a priority preemption inside a
+        later `schedule()`, before this report). Returns how many.
+
+        Such a request is no longer running, so nothing preempts it here, but
+        vLLM delivers a preempted request's in-flight output by default (its
+        stale share), and all of it is computed over bad KV: it was admitted
+        in one of the steps walked, and it cannot have resumed since, as vLLM
+        resumes no request with deliverable output still in flight. Set to
+        drop, that output is discarded and the request resumes at once.
+
+        Call it before the output of the reporting step is read: a reader
+        admitted in that step has its token there.
+        """
+        dropped = 0
+        for req_id in self.readers | self.loaders.keys():
+            request = requests.get(req_id)
+            if (
+                request is not None
+                and request.status == RequestStatus.PREEMPTED
+                and request.num_stale_output_tokens
+                and not request.drop_stale_output
+            ):
+                request.drop_stale_output = True
+                dropped += 1
+        return dropped
 
     def _remove_loaders(
         self,

@@ -33,6 +33,9 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from ..kv_connector.unit.utils import create_model_runner_output
+from .test_scheduler import create_requests_with_priority
+
 # A worker's output listing the step's requests among those given (none: all left out).
 from .test_uncommitted_prefix_cache import model_runner_output, num_hit_tokens
 from .utils import create_requests, create_scheduler
@@ -96,6 +99,50 @@ def test_retry_admitted_on_a_request_left_out_recomputes():
 
     recomputed = scheduler.schedule()
     assert recomputed.num_scheduled_tokens == {retry.request_id: 64}
+
+
+def test_retry_preempted_before_the_report_has_its_output_dropped():
+    """As above, but vLLM itself preempts the retry (priority) in the step
+    dispatched after it, before the aborted request's step reports. The retry
+    is no longer running, and vLLM delivers a preempted request's output in
+    flight by default: that output is dropped instead, as it was computed over
+    KV nobody wrote."""
+    scheduler = create_scheduler(
+        enable_prefix_caching=True,
+        block_size=BLOCK_SIZE,
+        async_scheduling=True,
+        scheduling_policy="priority",
+        long_prefill_token_threshold=64,
+        num_blocks=10,
+    )
+    aborted, retry = create_requests_with_priority(
+        num_requests=2, priorities=[1, 1], num_tokens=64, same_prompt=True
+    )
+    [urgent] = create_requests_with_priority(
+        num_requests=1, priorities=[0], num_tokens=128, starting_idx=2
+    )
+    scheduler.add_request(aborted)
+    in_flight = scheduler.schedule()
+    scheduler.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(retry)
+    scheduler.add_request(urgent)
+    retried = scheduler.schedule()
+    assert retried.num_scheduled_tokens == {
+        urgent.request_id: 64,
+        retry.request_id: 16,
+    }
+    # The urgent request's next chunk needs the retry's blocks.
+    scheduler.schedule()
+    assert retry.status == RequestStatus.PREEMPTED
+    assert retry.num_stale_output_tokens == 16
+
+    scheduler.update_from_output(in_flight, model_runner_output(in_flight, []))
+    assert retry.drop_stale_output  # delivered before this fix
+    output = create_model_runner_output([urgent, retry])
+    output.sampled_token_ids[0] = []  # the urgent request's prefill chunk
+    outputs = scheduler.update_from_output(retried, output)
+    assert not any(output.outputs for output in outputs.values())
+    assert retry.num_output_tokens == 0
 
 
 def create_hybrid_scheduler() -> AsyncScheduler:
