@@ -481,3 +481,25 @@ HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT = Workload(
         Arrive(3, "hp", prompt=((7000, 200),), max_tokens=1),
     ),
 )
+
+
+# Three steps in flight: r0's second and third chunks are left out (r0 aborted). r1 and r2,
+# r0's prompt, are admitted on a hit of its never-written checkpoint at 80 (through copies)
+# before either report; the first report preempts both, their output dropped, so vLLM may
+# resume them at once: r1 resumes in the next step, from 64 tokens, and is aborted and
+# left out in turn. The report of the step that admitted r1 left r1 out too; r1's entries
+# of the step that resumed it (its state at 80 again) name tokens below where it started
+# in that first step, and were taken for computed before it. r2 resumes on a hit of that
+# state. Shrunk from hybrid-partial-retry-async-drop-depth3 (vLLM 0.32, seed 0).
+HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT = Workload(
+    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 57)), max_tokens=1),
+        Arrive(0, "r1", prompt=((1000, 32), (2000, 57)), max_tokens=1),
+        Abort(2, "r0"),
+        Arrive(3, "r2", prompt=((1000, 32), (2000, 57)), max_tokens=1),
+        Abort(4, "r1"),
+    ),
+)

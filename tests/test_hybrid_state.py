@@ -23,6 +23,7 @@ from layouts import (
     HYBRID_PARTIAL_ZOMBIE_STATE,
     HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
     HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT,
+    HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT,
     HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
     HYBRID_WRONG_STATE_0_33,
 )
@@ -315,6 +316,22 @@ def test_a_reader_vllm_preempted_before_the_report_has_its_token_dropped(mode: s
     else:
         assert result.violations == 0, result.examples[:5]
         assert result.dependents_preempted == 1
+
+
+def test_a_retry_resumed_in_flight_and_left_out_again_is_rolled_back(mode: str) -> None:
+    """A reader the guard preempts (its output dropped) may resume in the next step, from
+    fewer tokens, while the step that admitted it is still in flight; aborted and left out
+    of both, its entries of the resuming step name tokens it computes again there. The
+    report of the first step must take them for unwritten, not for computed before it
+    (vLLM 0.32 and 0.33: the guard committed that never-written state, and a second retry
+    resumed on it; stock delivers a token over bad state earlier)."""
+    result = run_partial_state_layout(HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT, mode)
+    if mode == "stock":
+        assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
+        assert result.examples == [(3, "r2", -1, -1, OUTPUT_OVER_BAD_KV)]
+    else:
+        assert result.violations == 0, result.examples[:5]
+        assert result.dependents_preempted == 3
 
 
 def retired_boundary(filler: bool) -> tuple[Driver, int]:

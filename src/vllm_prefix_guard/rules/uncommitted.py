@@ -196,13 +196,15 @@ class UncommittedPrefixCache:
         was in flight, and then only from a worker that dropped it from the
         steps it had been given: nothing they registered for it past the
         tokens it had computed before this step is written (a later step may
-        have registered a block whose last token this step was to compute), and
-        a request admitted on a hit of it, in this step or one in flight after
-        it, read or will read it. The caller rolls these blocks back as a
-        failed KV load's (`rollback_failed_loads`), from this step on, where
-        the request's entries now are. Steps with no tokens scheduled (the
-        empty output, a KV-connector-only step) register nothing, and an
-        output `schedule()` did not produce has no record.
+        have registered a block whose last token this step was to compute; one
+        that resumed it after a preemption that dropped its output, a block
+        whose tokens it computes again), and a request admitted on a hit of
+        it, in this step or one in flight after it, read or will read it. The
+        caller rolls these blocks back as a failed KV load's
+        (`rollback_failed_loads`), from this step on, where the request's
+        entries now are. Steps with no tokens scheduled (the empty output, a
+        KV-connector-only step) register nothing, and an output `schedule()`
+        did not produce has no record.
 
         Args:
             scheduler_output: The step whose output came back.
@@ -211,7 +213,7 @@ class UncommittedPrefixCache:
 
         Returns:
             The blocks, empty if the output lists every request of the step
-            (O(1); else O(requests of the step + their entries)).
+            (O(1); else O(requests of the steps in flight + their entries)).
 
         """
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
@@ -223,14 +225,19 @@ class UncommittedPrefixCache:
         steps = list(self._in_flight.values())
         index = next(i for i, (output, _) in enumerate(steps) if output is record[0])
         entries = record[1]
-        starts = first_computed_tokens(scheduler_output)
+        starts = [first_computed_tokens(output) for output, _ in steps[index:]]
         not_computed: set[int] = set()
         for req_id in num_scheduled_tokens:
             if req_id in computed_req_ids:
                 continue
             for _, later in steps[index + 1 :]:
                 self.keep(entries, req_id, later.pop(req_id, []))
-            _, unwritten = self.split_written(entries.get(req_id, []), starts[req_id])
+            # A request preempted with its output dropped may resume in a later
+            # step in flight from fewer tokens, which it then computes again.
+            computed_before = min(
+                step_starts[req_id] for step_starts in starts if req_id in step_starts
+            )
+            _, unwritten = self.split_written(entries.get(req_id, []), computed_before)
             not_computed.update(block.block_id for _, block, _ in unwritten)
         return not_computed
 

@@ -101,6 +101,46 @@ def test_retry_admitted_on_a_request_left_out_recomputes():
     assert recomputed.num_scheduled_tokens == {retry.request_id: 64}
 
 
+def test_retry_resumed_while_left_out_has_its_entries_removed():
+    """A's second chunk is left out (A aborted). The retry, admitted on a hit of
+    it in the next step, is preempted at that report with its output dropped,
+    so it resumes at once, from fewer tokens: it computes A's second chunk
+    again and registers it. Aborted and left out of both steps, its entries
+    of the resuming step name tokens below where it started in the first one;
+    they were never written either, and go."""
+    scheduler = create_scheduler(
+        enable_prefix_caching=True,
+        block_size=BLOCK_SIZE,
+        async_scheduling=True,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+    )
+    aborted, retry = create_requests(num_requests=2, num_tokens=64, same_prompt=True)
+    scheduler.add_request(aborted)
+    first_chunk = scheduler.schedule()
+    left_out = scheduler.schedule()
+    scheduler.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(
+        first_chunk, model_runner_output(first_chunk, [aborted])
+    )
+    scheduler.add_request(retry)
+    retried = scheduler.schedule()
+    [admitted] = retried.scheduled_new_reqs
+    assert admitted.num_computed_tokens == 48
+
+    scheduler.update_from_output(left_out, model_runner_output(left_out, []))
+    assert retry.status == RequestStatus.PREEMPTED
+    resumed = scheduler.schedule()
+    assert resumed.num_scheduled_tokens == {retry.request_id: 32}
+    assert num_hit_tokens(scheduler, retry) == 48  # its own, not yet written
+    scheduler.finish_requests(retry.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(retried, model_runner_output(retried, []))
+    assert num_hit_tokens(scheduler, retry) == 32  # 48 before this fix
+    scheduler.update_from_output(resumed, model_runner_output(resumed, []))
+    assert num_hit_tokens(scheduler, retry) == 32
+    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+
+
 def test_retry_preempted_before_the_report_has_its_output_dropped():
     """As above, but vLLM itself preempts the retry (priority) in the step
     dispatched after it, before the aborted request's step reports. The retry
