@@ -503,3 +503,31 @@ HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT = Workload(
         Abort(4, "r1"),
     ),
 )
+
+
+# Open (an imprecision, not a bad read): r9 is left out of the step that admits it, and its
+# state entry at 64 (block 24) was already stale when the rollback removed it: the block had
+# been freed with r9 and, in the next step, received a copy of r10's checkpoint at 32 (a
+# clean copy, r10 computed). r4 resumes after that on a partial hit through a copy of block
+# 24: it reads r10's valid state, but the walk takes a copy from any block it names bad as
+# bad, so r4 is preempted and its 3 entries of that step rolled back, all valid. Shrunk from
+# hybrid-partial-retry-async-drop-depth3 (vLLM 0.32, seed 7) by the rollback audit.
+HYBRID_STALE_COPY_SOURCE_REWRITTEN = Workload(
+    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 121), (2000, 81)), max_tokens=4),
+        Arrive(4, "r1", prompt=((3000, 32), (4000, 146), (5000, 96)), max_tokens=1),
+        Arrive(6, "r2", prompt=((3000, 32), (6000, 64), (7000, 54)), max_tokens=1, priority=2),
+        Arrive(7, "r3", prompt=((3000, 32), (6000, 64), (8000, 72)), max_tokens=17),
+        Arrive(8, "r4", prompt=((3000, 32), (9000, 122), (10000, 66)), max_tokens=8, priority=1),
+        Arrive(9, "r5", prompt=((3000, 32), (11000, 34)), max_tokens=11),
+        Arrive(18, "r6", prompt=((3000, 32), (4000, 146), (12000, 27)), max_tokens=5),
+        Arrive(18, "r7", prompt=((3000, 32), (4000, 146), (12000, 27)), max_tokens=5),
+        Arrive(18, "r8", prompt=((3000, 32), (13000, 60)), max_tokens=6),
+        Arrive(22, "r9", prompt=((3000, 32), (9000, 122), (14000, 80)), max_tokens=1),
+        Arrive(23, "r10", prompt=((3000, 32), (15000, 13)), max_tokens=1),
+        Abort(26, "r9"),
+    ),
+)
