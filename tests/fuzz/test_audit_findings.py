@@ -80,7 +80,6 @@ def test_a_copy_from_a_stale_block_rewritten_since_is_not_a_bad_read() -> None:
     valid entries of a reader and preempts it. Flips to passing when the walk tells a
     block rewritten by a clean copy after its bad entry went stale."""
     from layouts import HYBRID_STALE_COPY_SOURCE_REWRITTEN
-
     from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
 
     if partial_state_hits_unsound() is not None:
