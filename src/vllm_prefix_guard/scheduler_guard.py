@@ -72,11 +72,8 @@ class SchedulerGuard:
     def loads_failed(self, output: Any, invalid_block_ids: Iterable[int]) -> FailedKVLoads:
         """``update_from_output`` got failed loads; before vLLM handles them (and reads
         the output: readers vLLM preempted since have their output in flight dropped)."""
-        removed = self.pool.guard_removed
-        running = {request.request_id for request in self.scheduler.running}
-        rollback = self.rules.rollback_failed_loads(output, set(invalid_block_ids), running)
-        self.stats.rolled_back_kv_load_failure += self.pool.guard_removed - removed
-        self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
+        rollback, removed = self._roll_back(output, set(invalid_block_ids))
+        self.stats.rolled_back_kv_load_failure += removed
         return rollback
 
     def not_computed(self, output: Any, model_runner_output: Any) -> None:
@@ -88,12 +85,20 @@ class SchedulerGuard:
         blocks = self.rules.gather_not_computed(output, model_runner_output.req_id_to_index)
         if not blocks:
             return
+        rollback, removed = self._roll_back(output, blocks)
+        self.stats.rolled_back_not_computed += removed
+        self.preempt_bad_kv_readers(rollback)
+
+    def _roll_back(self, output: Any, blocks: set[int]) -> tuple[FailedKVLoads, int]:
+        """The failed-load rollback of ``blocks`` in ``output``'s step (the series'
+        ``rollback_failed_loads``, then ``drop_stale_output``, before vLLM reads the
+        output), and how many entries it removed."""
         removed = self.pool.guard_removed
         running = {request.request_id for request in self.scheduler.running}
         rollback = self.rules.rollback_failed_loads(output, blocks, running)
-        self.stats.rolled_back_not_computed += self.pool.guard_removed - removed
+        removed = self.pool.guard_removed - removed
         self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
-        self.preempt_bad_kv_readers(rollback)
+        return rollback, removed
 
     def preempt_bad_kv_readers(self, rollback: FailedKVLoads) -> None:
         """Every running request that still counts bad KV as computed recomputes it (its

@@ -26,8 +26,10 @@ import dataclasses
 import pytest
 import vllm
 
+from layouts import HYBRID_STALE_COPY_SOURCE_REWRITTEN
 from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.fuzz.audit import LEFTOVER, PREEMPTED, VALID
+from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 
@@ -79,9 +81,6 @@ def test_a_copy_from_a_stale_block_rewritten_since_is_not_a_bad_read() -> None:
     0.32 seed 7, 0.33 too), shrunk: the guard reads no bad state here, but rolls back 3
     valid entries of a reader and preempts it. Flips to passing when the walk tells a
     block rewritten by a clean copy after its bad entry went stale."""
-    from layouts import HYBRID_STALE_COPY_SOURCE_REWRITTEN
-    from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
-
     if partial_state_hits_unsound() is not None:
         pytest.skip("this vLLM copies partial-hit checkpoints wrong itself")
     result = run_workload(HYBRID_STALE_COPY_SOURCE_REWRITTEN, "guard", audit=True)
