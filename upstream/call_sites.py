@@ -250,13 +250,9 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
             and kv_connector_output.invalid_block_ids
         ):
             # Before the failure is handled, which may free the requests.
-            failed_kv_loads = self.uncommitted_prefix_cache.rollback_failed_loads(
-                scheduler_output,
-                kv_connector_output.invalid_block_ids,
-                {request.request_id for request in self.running},
+            failed_kv_loads = self._roll_back_bad_kv(
+                scheduler_output, kv_connector_output.invalid_block_ids
             )
-            # Readers preempted since: their output in flight is over bad KV.
-            failed_kv_loads.drop_stale_output(self.requests)
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is
         # safe to return deferred-free blocks to the pool.
@@ -282,6 +278,22 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
 
     def _ec_transfer_pending(""",
         """        return engine_core_outputs
+
+    def _roll_back_bad_kv(
+        self, scheduler_output: SchedulerOutput, bad_block_ids: set[int]
+    ) -> FailedKVLoads:
+        \"\"\"Remove the entries of `bad_block_ids` and of the KV computed over
+        them in this and every later step in flight; a reader vLLM preempted
+        since has its output in flight over bad KV, which is dropped.
+        \"\"\"
+        assert self.uncommitted_prefix_cache is not None
+        failed_kv_loads = self.uncommitted_prefix_cache.rollback_failed_loads(
+            scheduler_output,
+            bad_block_ids,
+            {request.request_id for request in self.running},
+        )
+        failed_kv_loads.drop_stale_output(self.requests)
+        return failed_kv_loads
 
     def _preempt_bad_kv_readers(self, failed_kv_loads: FailedKVLoads) -> None:
         \"\"\"Preempt the running requests that still count KV of a failed load
@@ -359,23 +371,20 @@ KV_EVENTS: tuple[Edit, ...] = (
 NOT_COMPUTED: tuple[Edit, ...] = (
     Edit(
         SCHEDULER,
-        """            failed_kv_loads.drop_stale_output(self.requests)
+        """                scheduler_output, kv_connector_output.invalid_block_ids
+            )
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is
 """,
-        """            failed_kv_loads.drop_stale_output(self.requests)
+        """                scheduler_output, kv_connector_output.invalid_block_ids
+            )
         if self.uncommitted_prefix_cache is not None:
             # Requests the output leaves out were not computed.
             not_computed = self.uncommitted_prefix_cache.gather_not_computed(
                 scheduler_output, model_runner_output.req_id_to_index
             )
             if not_computed:
-                left_out = self.uncommitted_prefix_cache.rollback_failed_loads(
-                    scheduler_output,
-                    not_computed,
-                    {request.request_id for request in self.running},
-                )
-                left_out.drop_stale_output(self.requests)
+                left_out = self._roll_back_bad_kv(scheduler_output, not_computed)
                 self._preempt_bad_kv_readers(left_out)
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is
