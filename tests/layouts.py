@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload
 from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 
@@ -505,13 +505,14 @@ HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT = Workload(
 )
 
 
-# Open (an imprecision, not a bad read): r9 is left out of the step that admits it, and its
+# Was an imprecision (not a bad read): r9 is left out of the step that admits it, and its
 # state entry at 64 (block 24) was already stale when the rollback removed it: the block had
 # been freed with r9 and, in the next step, received a copy of r10's checkpoint at 32 (a
 # clean copy, r10 computed). r4 resumes after that on a partial hit through a copy of block
 # 24: it reads r10's valid state, but the walk takes a copy from any block it names bad as
 # bad, so r4 is preempted and its 3 entries of that step rolled back, all valid. Shrunk from
-# hybrid-partial-retry-async-drop-depth3 (vLLM 0.32, seed 7) by the rollback audit.
+# hybrid-partial-retry-async-drop-depth3 (vLLM 0.32, seed 7) by the rollback audit. The walk
+# now reads a stale bad block that a later step rewrote cleanly as its new content.
 HYBRID_STALE_COPY_SOURCE_REWRITTEN = Workload(
     spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
     depth=3,
@@ -529,5 +530,70 @@ HYBRID_STALE_COPY_SOURCE_REWRITTEN = Workload(
         Arrive(22, "r9", prompt=((3000, 32), (9000, 122), (14000, 80)), max_tokens=1),
         Arrive(23, "r10", prompt=((3000, 32), (15000, 13)), max_tokens=1),
         Abort(26, "r9"),
+    ),
+)
+
+
+# The rollback audit's second finding in that soak (vLLM 0.33, seed 3), shrunk by it: r43
+# is left out of the step that admits it (aborted in flight), so its state entry of that
+# step is never written; the block still holds the state a twin with the same prefix left.
+# r44, its retry, is admitted on a hit of that entry while the step is in flight and reads
+# the twin's bytes: right by that chance only (a zeroed block would be wrong). The guard
+# preempts r44 and removes what it computed; the audit counts that as needed (leftover),
+# not as valid KV rolled back.
+HYBRID_TWIN_STATE_UNDER_A_LEFT_OUT_ENTRY = Workload(
+    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 134)), max_tokens=1, priority=2),
+        Arrive(2, "r1", prompt=((1000, 32), (3000, 143), (4000, 59)), max_tokens=19),
+        Arrive(13, "r2", prompt=((1000, 32), (5000, 70), (6000, 60)), max_tokens=1),
+        Arrive(17, "r3", prompt=((1000, 32), (7000, 17)), max_tokens=8),
+        Arrive(18, "r4", prompt=((1000, 32), (3000, 143), (8000, 95)), max_tokens=20, priority=1),
+        Arrive(18, "r5", prompt=((1000, 32), (3000, 143), (8000, 95)), max_tokens=20, priority=1),
+        Arrive(20, "r6", prompt=((1000, 32), (5000, 70), (9000, 28)), max_tokens=17),
+        Arrive(21, "r7", prompt=((1000, 32), (10000, 165), (11000, 45)), max_tokens=12),
+        Arrive(21, "r8", prompt=((1000, 32), (10000, 165)), max_tokens=12),
+        Arrive(22, "r9", prompt=((1000, 32), (10000, 165), (11000, 45)), max_tokens=12),
+        Arrive(22, "r10", prompt=((1000, 32), (12000, 78), (13000, 22)), max_tokens=23),
+        Arrive(26, "r11", prompt=((1000, 32), (3000, 143), (14000, 79)), max_tokens=23),
+        Arrive(28, "r12", prompt=((1000, 32), (12000, 78)), max_tokens=24),
+        Arrive(28, "r13", prompt=((1000, 32), (12000, 78)), max_tokens=24),
+        Arrive(28, "r14", prompt=((1000, 32), (12000, 78), (15000, 70)), max_tokens=1),
+        Arrive(28, "r15", prompt=((1000, 32), (12000, 78), (15000, 69)), max_tokens=24),
+        Arrive(30, "r16", prompt=((3000, 143), (16000, 93)), max_tokens=2, priority=1),
+        Arrive(46, "r17", prompt=((1000, 32), (12000, 78)), max_tokens=1, priority=1),
+        Arrive(52, "r18", prompt=((1000, 32), (17000, 168)), max_tokens=3, priority=1),
+        Arrive(100, "r19", prompt=((1000, 32), (18000, 19)), max_tokens=4),
+        Arrive(100, "r20", prompt=((1000, 32), (19000, 30)), max_tokens=3),
+        Arrive(102, "r21", prompt=((1000, 32), (3000, 143), (20000, 69)), max_tokens=24),
+        Arrive(102, "r22", prompt=((1000, 32), (21000, 49)), max_tokens=18),
+        Arrive(106, "r23", prompt=((1000, 32), (22000, 100)), max_tokens=2),
+        Arrive(108, "r24", prompt=((1000, 32), (23000, 74)), max_tokens=8),
+        Arrive(113, "r25", prompt=((1000, 32), (24000, 46)), max_tokens=1, priority=1),
+        Arrive(114, "r26", prompt=((1000, 32), (25000, 60)), max_tokens=19),
+        Arrive(114, "r27", prompt=((1000, 32), (5000, 70), (26000, 70)), max_tokens=7, priority=1),
+        Arrive(115, "r28", prompt=((1000, 32), (12000, 78), (27000, 18)), max_tokens=6),
+        Arrive(117, "r29", prompt=((1000, 32), (12000, 78), (28000, 65)), max_tokens=22),
+        Arrive(131, "r30", prompt=((1000, 32), (10000, 165), (29000, 29)), max_tokens=6),
+        Arrive(137, "r31", prompt=((1000, 32), (3000, 143), (30000, 58)), max_tokens=15),
+        Arrive(137, "r32", prompt=((1000, 32), (10000, 165), (31000, 32)), max_tokens=16),
+        Arrive(
+            139, "r33", prompt=((1000, 32), (12000, 78), (32000, 62)), max_tokens=16, priority=1
+        ),
+        Arrive(145, "r34", prompt=((1000, 32), (33000, 20)), max_tokens=13),
+        Arrive(150, "r35", prompt=((1000, 32),), max_tokens=4),
+        Arrive(155, "r36", prompt=((1000, 32), (34000, 113)), max_tokens=5),
+        Arrive(156, "r37", prompt=((1000, 32), (34000, 92)), max_tokens=4),
+        Arrive(200, "r38", prompt=((1000, 32), (35000, 4)), max_tokens=6),
+        Arrive(203, "r39", prompt=((1000, 32), (36000, 21)), max_tokens=12),
+        Reset(203),
+        Arrive(205, "r40", prompt=((1000, 32), (5000, 70), (37000, 77)), max_tokens=1, priority=1),
+        Arrive(205, "r41", prompt=((1000, 32), (3000, 143), (38000, 93)), max_tokens=10),
+        Arrive(205, "r42", prompt=((1000, 32), (39000, 154), (40000, 6)), max_tokens=8),
+        Arrive(215, "r43", prompt=((1000, 32), (3000, 143), (41000, 68)), max_tokens=1),
+        Abort(217, "r43"),
+        Arrive(218, "r44", prompt=((1000, 32), (3000, 143), (41000, 68)), max_tokens=1),
     ),
 )

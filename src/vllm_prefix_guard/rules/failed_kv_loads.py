@@ -133,6 +133,16 @@ class FailedKVLoads:
         # (False: the block was evicted and reused since, so a hit on it may be
         # on its new, valid content).
         self.bad_blocks: dict[int, bool] = {}
+        # Bad block ID -> the latest step walked (index) that registered a bad
+        # entry on it, and block ID -> the latest that rewrote it cleanly (a
+        # copy from a block that was not bad, or an entry that stays): a block
+        # whose bad entry was stale is read as its new content once a later
+        # step rewrote it.
+        self.bad_since: dict[int, int] = {}
+        self.rewritten: dict[int, int] = {}
+        # The step being walked, and the steps (their entries' origin).
+        self.index = 0
+        self.steps: list[tuple[SchedulerOutput, StepCacheEntries]] = []
 
     def roll_back(
         self, scheduler_output: SchedulerOutput, invalid_block_ids: set[int]
@@ -152,6 +162,7 @@ class FailedKVLoads:
     ) -> None:
         """Roll back the failed loads of `steps[0]`, through every later step
         in `steps` (oldest first)."""
+        self.steps = steps
         self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
         loaders = self._remove_loaders(*steps[0], invalid_block_ids)
         # Requests whose computation in the step being walked reads bad KV.
@@ -160,6 +171,7 @@ class FailedKVLoads:
         # loaded or written before it read bad KV.
         kept: dict[str, StepCacheEntries] = {}
         for index, (output, entries) in enumerate(steps):
+            self.index = index
             # The step's block copies ran before its forward pass: from what was bad
             # when it began, which the steps walked before it made bad (none for the
             # first: its own entries name what it writes after its copies).
@@ -185,6 +197,8 @@ class FailedKVLoads:
                         self.loaders[req_id].update(removed)
             self._remove_moved_onto(entries, copied_from)
             self._remove_readers(entries, admitted, tainted, kept, copied_from)
+            if index:
+                self._note_rewritten(output, entries, copied_from)
         self.readers = tainted - loaders
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 
@@ -278,7 +292,7 @@ class FailedKVLoads:
         return {
             copy.dst_block_id: copy.src_block_id
             for copy in scheduler_output.kv_cache_block_copies or ()
-            if copy.src_block_id in self.bad_blocks
+            if self._is_bad(copy.src_block_id)
         }
 
     def _remove_moved_onto(
@@ -330,7 +344,7 @@ class FailedKVLoads:
         and it does not still hold it unchanged (an entry removed from the
         block after it was evicted may name other content than the hit)."""
         return (
-            block_id in self.bad_blocks
+            self._is_bad(block_id)
             and block_id not in own
             and (self.bad_blocks[block_id] or not self._holds(req_id, block_id))
         )
@@ -350,11 +364,47 @@ class FailedKVLoads:
     ) -> set[int]:
         """Remove entries loaded as, or computed over, bad KV; their blocks
         become bad. Returns their block IDs."""
+        # A loader's entries in the first step walked may have been moved there
+        # from any later step it is scheduled in (`gather_not_computed`).
+        since = self.index
+        if not since and req_id is not None:
+            since = max(
+                i
+                for i, (output, _) in enumerate(self.steps)
+                if not i or req_id in output.num_scheduled_tokens
+            )
         for entry in reversed(entries):
             block_id = entry[1].block_id
             removed = self.uncommitted.remove_entry(req_id, entry)
             self.bad_blocks[block_id] = removed or self.bad_blocks.get(block_id, False)
+            self.bad_since[block_id] = max(since, self.bad_since.get(block_id, 0))
         return {block.block_id for _, block, _ in entries}
+
+    def _is_bad(self, block_id: int) -> bool:
+        """Whether a block is bad when the step being walked begins: an entry
+        on it was removed (or its load failed), and unless that entry was still
+        cached, no step walked since rewrote it cleanly."""
+        if block_id not in self.bad_blocks:
+            return False
+        return self.bad_blocks[block_id] or self.rewritten.get(
+            block_id, -1
+        ) <= self.bad_since.get(block_id, 0)
+
+    def _note_rewritten(
+        self,
+        scheduler_output: SchedulerOutput,
+        entries: StepCacheEntries,
+        copied_from: dict[int, int],
+    ) -> None:
+        """Note the blocks the step being walked rewrote cleanly: the copies
+        from blocks that were not bad, and the blocks of its entries that
+        stay."""
+        for copy in scheduler_output.kv_cache_block_copies or ():
+            if copy.dst_block_id not in copied_from:
+                self.rewritten[copy.dst_block_id] = self.index
+        for req_entries in entries.values():
+            for _, block, _ in req_entries:
+                self.rewritten[block.block_id] = self.index
 
     def _holds(self, req_id: str, block_id: int) -> bool:
         """Whether a running request holds a block (taken before the failure

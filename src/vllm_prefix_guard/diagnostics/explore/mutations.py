@@ -81,11 +81,13 @@ class KeptEntriesStay(FailedKVLoads):
         steps: list[tuple[SchedulerOutput, StepCacheEntries]],
         invalid_block_ids: set[int],
     ) -> None:
+        self.steps = steps
         self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
         loaders = self._remove_loaders(*steps[0], invalid_block_ids)
         tainted = set(loaders)
         kept: dict[str, StepCacheEntries] = {}
         for index, (output, entries) in enumerate(steps):
+            self.index = index
             copied_from = self._copied_from_bad(output) if index else {}
             admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
             for req_id, block_ids, num_computed_tokens in admissions(output):
@@ -100,6 +102,8 @@ class KeptEntriesStay(FailedKVLoads):
                         self.loaders[req_id].update(removed)
             self._remove_moved_onto(entries, copied_from)
             self._remove_readers(entries, admitted, tainted, kept, copied_from)
+            if index:
+                self._note_rewritten(output, entries, copied_from)
         self.readers = tainted - loaders
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 

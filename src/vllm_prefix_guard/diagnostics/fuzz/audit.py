@@ -21,7 +21,12 @@ takes out of the open step, at the end of that step.
   writes them again; vLLM may zero a block it hands out afresh, and the guard cannot see
   a block's past, so the rollback was needed (found by ``reset-async`` at three times its
   horizon, seed 950007, vLLM 0.33; a twin's state left in a reused state block by the
-  soak of ``hybrid-partial-kv-load-async``, seed 8, vLLM 0.33);
+  soak of ``hybrid-partial-kv-load-async``, seed 8, vLLM 0.33). What a request computes
+  over such bytes, read on a hit of an entry its own tenancy never wrote, counts as
+  leftover too when rolled back, and the request as a reader of bad KV: the zeroed block
+  would have made it wrong (a retry's hit on the state block of a request its worker
+  left out, that held a twin's state for the same prefix: the depth-3 soak, seed 3,
+  vLLM 0.33);
 - ``stale``: the undo was a no-op (the block lost that registration since).
 
 Counts are kept per rollback cause (the rule that removed the entry). Two more rows
@@ -47,7 +52,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from vllm_prefix_guard.diagnostics.shadow_kv import ShadowState, ShadowWorker, TokenModel
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
-from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions, blocks_read
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
 # The rule that removed an entry, as the audit's rows name it.
@@ -151,8 +156,16 @@ class RollbackAudit(UncommittedPrefixCache):
         self._executed: set[int] = set()
         # step -> [(cause, registration)] waiting for that step to run.
         self._pending: dict[int, list[tuple[str, Registration]]] = {}
-        # step -> [(model, block ids, computed tokens)] of readers to judge.
-        self._readers: dict[int, list[tuple[TokenModel | None, list[int], int]]] = {}
+        # step -> [(admission, model, block ids, computed tokens)] of readers to judge.
+        self._readers: dict[
+            int, list[tuple[tuple[str, int], TokenModel | None, list[int], int]]
+        ] = {}
+        # step -> (request, registration) for each block an admission of that step hit
+        # under an entry of an earlier step still uncommitted: judged when the step runs.
+        self._hits: dict[int, list[tuple[str, Registration]]] = {}
+        # (request, step admitting it) whose hit read bytes the tenancy of the entry it
+        # hit never wrote (see ``leftover``).
+        self._unvouched_hits: set[tuple[str, int]] = set()
         # (id(key), block id) -> registration, until committed or removed. vLLM builds a
         # new key object per registration.
         self._regs: dict[tuple[int, int], Registration] = {}
@@ -169,7 +182,8 @@ class RollbackAudit(UncommittedPrefixCache):
         execute = worker.execute
 
         def execute_and_classify(plan: Any) -> Any:
-            worker.kv.step = self._step_of.get(id(plan.output), -1)
+            worker.kv.step = step = self._step_of.get(id(plan.output), -1)
+            self._judge_hits(step)
             result = execute(plan)
             self._on_executed(plan.output)
             return result
@@ -189,6 +203,7 @@ class RollbackAudit(UncommittedPrefixCache):
         self._step_of[key] = self._step_of_dispatched[key] = step
         for admitted, _, _ in admissions(scheduler_output):
             self._admitted_at[admitted] = step
+        self._note_hits(scheduler_output, step)
         for request_id, entries in self._in_flight[key][1].items():
             for entry in entries:
                 self._register(request_id, entry, step)
@@ -264,6 +279,7 @@ class RollbackAudit(UncommittedPrefixCache):
                 continue
             self._readers.setdefault(self.step - 1, []).append(
                 (
+                    (request_id, self._admitted_at.get(request_id, -1)),
                     self._model(request_id),
                     list(manager.get_block_ids(request_id)[0]),
                     request.num_computed_tokens,
@@ -320,14 +336,53 @@ class RollbackAudit(UncommittedPrefixCache):
     def registration(self, key: Any, block: Any) -> Registration | None:
         return self._regs.get((id(key), block.block_id))
 
+    def _note_hits(self, scheduler_output: Any, step: int) -> None:
+        """Note, for each admission of the step of ``scheduler_output``, the blocks it hit
+        under an entry of an earlier step not yet committed (a copy-on-write hit reads
+        the copy's source); committed entries were judged valid when committed."""
+        hits = list(admissions(scheduler_output))
+        if not hits:
+            return
+        on_block: dict[int, list[Registration]] = {}
+        for reg in self._regs.values():
+            if reg.step < step:
+                on_block.setdefault(reg.block_id, []).append(reg)
+        if not on_block:
+            return
+        sizes = [
+            manager.block_size for manager in self.kv_cache_manager.coordinator.single_type_managers
+        ]
+        sources = {
+            copy.dst_block_id: copy.src_block_id
+            for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+        }
+        for request_id, block_ids, computed in hits:
+            for block_id in blocks_read(block_ids, computed, sizes):
+                for reg in on_block.get(sources.get(block_id, block_id), ()):
+                    self._hits.setdefault(step, []).append((request_id, reg))
+
+    def _judge_hits(self, step: int) -> None:
+        """Before the step numbered ``step`` runs: its admissions that hit bytes the
+        tenancy of the entry they hit never wrote (never written, wrong, or left there
+        by an earlier tenant)."""
+        for request_id, reg in self._hits.pop(step, ()):
+            if reg.model is None or reg.num_tokens <= 0:
+                continue
+            if self._content_verdict(reg, self.driver.worker, rolled_back=True) != VALID:
+                self._unvouched_hits.add((request_id, step))
+
     def _judge_readers(self, step: int) -> None:
         size = self.block_size
         slots = self.driver.kv.slots
-        for model, block_ids, computed in self._readers.pop(step, ()):
-            bad = model is None or any(
-                (held := slots.get(block_ids[p // size])) is None
-                or held[p % size] != model.fingerprint(p)
-                for p in range(computed)
+        for admission, model, block_ids, computed in self._readers.pop(step, ()):
+            bad = (
+                admission in self._unvouched_hits
+                or model is None
+                or any(
+                    (held := slots.get(block_ids[p // size])) is None
+                    or held[p % size] != model.fingerprint(p)
+                    for p in range(computed)
+                )
             )
             self.counts.add(READERS, BAD if bad else VALID)
 
@@ -351,6 +406,19 @@ class RollbackAudit(UncommittedPrefixCache):
         if reg.block_id in self._invalid_at.get(reg.step, ()):
             return FAILED_LOAD
         worker = self.driver.worker if worker is None else worker
+        verdict = self._content_verdict(reg, worker, rolled_back)
+        if (
+            verdict == VALID
+            and rolled_back
+            and (reg.request_id, reg.admitted) in self._unvouched_hits
+        ):
+            # Computed over bytes an earlier tenant left: right only by that chance.
+            return LEFTOVER
+        return verdict
+
+    def _content_verdict(self, reg: Registration, worker: ShadowWorker, rolled_back: bool) -> str:
+        """``reg``'s block against the KV (or state) its key names, by content alone."""
+        assert reg.model is not None
         if worker.states:
             state = worker.state_of_group(get_group_id(reg.key))
             if state is not None:
@@ -384,6 +452,7 @@ class RollbackAudit(UncommittedPrefixCache):
             for cause, reg in pending:
                 self.counts.add(cause, NEVER_WRITTEN, reg)
         self._pending.clear()
+        self._hits.clear()
         return self.counts
 
 
