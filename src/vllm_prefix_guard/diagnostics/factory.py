@@ -68,6 +68,9 @@ class SchedulerSpec:
     # end inside a state block (``enable_partial_hash_hits``: checkpoints of the state at
     # a hash boundary, copied on write).
     mamba_block_multiple: int = 1
+    # > 0: speculative decoding with this many draft tokens per step (n-gram drafting:
+    # no draft model, no lookahead slots; the shadow worker drafts).
+    num_speculative_tokens: int = 0
     # Any other SchedulerConfig field, passed through.
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -124,6 +127,16 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
             kv_connector=FAKE_CONNECTOR_NAME,
             kv_role="kv_both",
             kv_load_failure_policy=spec.kv_load_failure_policy,
+        )
+    if spec.num_speculative_tokens:
+        from vllm.config import SpeculativeConfig
+
+        # vLLM allows async scheduling with GPU-side drafters only.
+        extra["speculative_config"] = SpeculativeConfig(
+            method="ngram_gpu" if spec.async_scheduling else "ngram",
+            num_speculative_tokens=spec.num_speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=spec.num_speculative_tokens,
         )
     if spec.kv_events:
         from vllm.config import KVEventsConfig

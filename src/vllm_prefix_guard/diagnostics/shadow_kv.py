@@ -27,10 +27,19 @@ registered for ``h`` holds. That read is bad unless the block holds exactly the 
 after those ``h`` tokens: a wrong state corrupts everything the request computes after
 it. State blocks are not zeroed on allocation: a never-written block holds whatever its
 previous tenant left.
+
+Speculative decoding (a scheduler with ``num_speculative_tokens``): the worker drafts
+(:func:`draft_token`), a step keeps its drafts up to the first wrong one and samples a token
+per kept draft and one after; a rejected draft's KV, and what follows it, is wrong content.
+Its state is the one after its last kept token, and when kept drafts cross a state-block
+boundary the state at the highest one goes into that boundary's block (vLLM's align-mode
+postprocess). Under async scheduling a step is scheduled as if every draft of the step in
+flight were kept; the runner moves it back by those it rejected, and so does this worker.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -99,6 +108,20 @@ def next_token(fingerprint: int) -> int:
     return fingerprint % (VOCAB_SIZE - 1) + 1
 
 
+#: The share of draft tokens the fake drafter gets right (each one on its own; a draft is
+#: accepted up to its first wrong token).
+DRAFT_ACCEPTANCE = 0.6
+
+
+def draft_token(model: TokenModel, request_id: str, position: int) -> int:
+    """The fake drafter's guess at ``position`` (a pure function of the request and the
+    position, so a replay drafts alike): the model's token there, or another one."""
+    token = model.token(position)
+    if zlib.crc32(f"{request_id}/{position}".encode()) % 1000 < DRAFT_ACCEPTANCE * 1000:
+        return token
+    return token % (VOCAB_SIZE - 1) + 1
+
+
 @dataclass
 class Violation:
     step: int
@@ -121,6 +144,47 @@ class ScheduledRead:
     # Per state group of the worker: the request's blocks by position (block ``k`` is
     # for the state after ``(k + 1) * block size`` tokens; None: the null block).
     state_block_ids: list[list[int | None]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens scheduled (the last ``len(draft_ids)`` of
+    # ``num_tokens``; -1: a placeholder the worker fills, under async scheduling), and
+    # how many of them the step accepts (set when it runs).
+    draft_ids: list[int] = field(default_factory=list)
+    accepted: int = 0
+    # The request's steps with drafts still in flight when this one was scheduled: under
+    # async scheduling the scheduler counts their drafts as accepted, and the runner
+    # moves this step back by the drafts they rejected (vLLM corrects the positions of a
+    # step scheduled on optimistic computed tokens).
+    earlier: list[ScheduledRead] = field(default_factory=list, repr=False, compare=False)
+    # ``start`` as scheduled (``start`` is moved back when the step runs; a forked
+    # worker may run the step first).
+    scheduled_start: int = field(default=-1, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.scheduled_start = self.start
+
+    @property
+    def valid_end(self) -> int:
+        """One past the last position whose KV the step computes right: its tokens but
+        the drafts it rejects."""
+        return self.start + self.num_tokens - len(self.draft_ids) + self.accepted
+
+    def verify_drafts(self) -> None:
+        """Accept the drafts up to the first that is not the model's token (a
+        placeholder is the fake drafter's guess)."""
+        first = self.start + self.num_tokens - len(self.draft_ids)
+        accepted = 0
+        for offset, token in enumerate(self.draft_ids):
+            position = first + offset
+            if token < 0:
+                token = draft_token(self.model, self.request_id, position)
+            if token != self.model.token(position):
+                break
+            accepted += 1
+        self.accepted = accepted
+
+    def sampled(self) -> list[int]:
+        """What the step samples: a token per accepted draft, and one after them."""
+        end = self.valid_end
+        return [self.model.token(position) for position in range(end - self.accepted, end + 1)]
 
 
 @dataclass
@@ -283,6 +347,8 @@ class ShadowState:
     written_by: dict[int, str] = field(default_factory=dict)
     # Steps that started from a state another request wrote (a prefix hit), all checked.
     resumed_from_hits: int = 0
+    # States at a block boundary that accepted drafts crossed, copied into its block.
+    boundary_copies: int = 0
 
     def forget(self, request_ids: Any) -> None:
         """The runner drops preempted and finished requests: a resumed request starts
@@ -314,8 +380,8 @@ class ShadowState:
 
     def position_written(self, read: ScheduledRead) -> int:
         """The position of the block ``read``'s step writes the state after its last
-        token into."""
-        return -(-(read.start + read.num_tokens) // self.block_size) - 1
+        token into (the last draft it accepts)."""
+        return -(-read.valid_end // self.block_size) - 1
 
     def block_written(self, read: ScheduledRead) -> int | None:
         return read.state_block_ids[self.index][self.position_written(read)]
@@ -326,11 +392,26 @@ class ShadowState:
         position = self.position_written(read)
         block_id = read.state_block_ids[self.index][position]
         assert block_id is not None, "vLLM gave the step's state no block"
-        fingerprint = read.model.fingerprint(read.start + read.num_tokens - 1)
+        self._put(block_id, read, read.valid_end, poison, step)
+        self.last_written[read.request_id] = position
+        # Accepted drafts that cross a block boundary: the runner copies the state at the
+        # highest boundary crossed into that boundary's block (vLLM's align-mode
+        # postprocess; a step without drafts ends on its own boundary or short of one).
+        boundary = read.valid_end // self.block_size * self.block_size
+        if read.draft_ids and read.start + read.num_tokens - len(read.draft_ids) <= boundary:
+            boundary_block = read.state_block_ids[self.index][boundary // self.block_size - 1]
+            if boundary < read.valid_end and boundary_block is not None:
+                self._put(boundary_block, read, boundary, poison, step)
+                self.boundary_copies += 1
+
+    def _put(
+        self, block_id: int, read: ScheduledRead, tokens: int, poison: bool, step: int
+    ) -> None:
+        """The state after ``read``'s first ``tokens`` tokens, into ``block_id``."""
+        fingerprint = read.model.fingerprint(tokens - 1)
         self.held[block_id] = poisoned(fingerprint) if poison else fingerprint
         self.written_at[block_id] = step
         self.written_by[block_id] = read.request_id
-        self.last_written[read.request_id] = position
 
     def load(self, block_id: int, fingerprint: int, step: int, loader: str) -> None:
         """A KV connector loaded the state of the prefix ``fingerprint`` names into
@@ -447,6 +528,7 @@ class ShadowWorker:
         sched = self.scheduler
         managers = sched.kv_cache_manager.coordinator.single_type_managers
         reads = []
+        drafts = output.scheduled_spec_decode_tokens
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = sched.requests[request_id]
             model = self.models.get(request_id)
@@ -468,6 +550,7 @@ class ShadowWorker:
                         ]
                         for state in self.states
                     ],
+                    list(drafts.get(request_id, ())),
                 )
             )
         meta = output.kv_connector_metadata
@@ -480,9 +563,12 @@ class ShadowWorker:
         return StepPlan(output, reads, loads, len(self.failure_reports))
 
     def _write_computed(self, read: ScheduledRead, poison: bool) -> None:
+        """The KV of ``read``'s tokens; a rejected draft's, and what follows it, is
+        computed for other tokens than the request's (never the right content)."""
         size, block_ids, write = self.block_size, read.block_ids, self.kv.write
         writer = read.request_id
         end = read.start + read.num_tokens
+        valid_end = read.valid_end
         read.model.fingerprint(end - 1)
         fingerprints = read.model.fingerprints
         for position in range(read.start, end):
@@ -490,7 +576,7 @@ class ShadowWorker:
             write(
                 block_ids[position // size],
                 position % size,
-                poisoned(fingerprint) if poison else fingerprint,
+                poisoned(fingerprint) if poison or position >= valid_end else fingerprint,
                 writer,
             )
 
@@ -579,6 +665,12 @@ class ShadowWorker:
         for request_id in plan.output.preempted_req_ids or ():
             self.restarted_at[request_id] = len(self.failure_reports)
         size = self.block_size
+        for read in plan.reads:
+            if read.earlier:
+                rejected = sum(len(e.draft_ids) - e.accepted for e in read.earlier)
+                read.start = read.scheduled_start - rejected
+            if read.draft_ids:
+                read.verify_drafts()
         invalid: set[int] = set()
         failed_requests: set[str] = set()
         for load in plan.loads:
@@ -674,10 +766,7 @@ class ShadowWorker:
                 state.write(read, poison=read.request_id in tainted, step=step)
         received, failed_received = self._receive(step, invalid)
         req_ids = [read.request_id for read in plan.reads]
-        sampled = [
-            [read.model.token(read.start + read.num_tokens)] if read.samples else []
-            for read in plan.reads
-        ]
+        sampled = [read.sampled() if read.samples else [] for read in plan.reads]
         connector_output = None
         if invalid or received:
             # Named only when a load failed as a whole: an older KVConnectorOutput has no
@@ -814,7 +903,16 @@ class Driver:
     def schedule(self) -> Any:
         """Run one ``schedule()`` and queue its step."""
         output = self.call_schedule()
-        self.in_flight.append(self.worker.plan(output))
+        plan = self.worker.plan(output)
+        if self.scheduler.num_spec_tokens and self.in_flight:
+            # A request admitted (new or resumed) starts where the scheduler says.
+            admitted = {req.req_id for req in output.scheduled_new_reqs}
+            admitted.update(output.scheduled_cached_reqs.resumed_req_ids or ())
+            drafted = [read for step in self.in_flight for read in step.reads if read.draft_ids]
+            for read in plan.reads:
+                if read.request_id not in admitted:
+                    read.earlier = [e for e in drafted if e.request_id == read.request_id]
+        self.in_flight.append(plan)
         self.outputs.append(output)
         self.scheduled_tokens += output.total_num_scheduled_tokens
         self.preemptions += len(output.preempted_req_ids or ())
@@ -839,7 +937,36 @@ class Driver:
         outputs = self.call_update(plan.output, result)
         if plan.excused and outputs:
             self._check_excused(plan, outputs)
+        if self.drafts_after_update:
+            self._propose_drafts(plan)
         return result
+
+    @property
+    def drafts_after_update(self) -> bool:
+        """Whether this engine hands the scheduler the drafts of a step after its update
+        (speculative decoding without async scheduling: ``EngineCore.post_step``; async
+        scheduling schedules placeholders the worker fills)."""
+        scheduler = self.scheduler
+        return bool(scheduler.num_spec_tokens) and not getattr(
+            scheduler.scheduler_config, "async_scheduling", False
+        )
+
+    def _propose_drafts(self, plan: StepPlan) -> None:
+        """The fake drafter's tokens after each request of the step just updated (the
+        scheduler ignores them for a prefill chunk, as it does a real drafter's)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        scheduler, k = self.scheduler, self.scheduler.num_spec_tokens
+        req_ids, drafts = [], []
+        for read in plan.reads:
+            request = scheduler.requests.get(read.request_id)
+            if request is None or request.is_finished():
+                continue
+            n = request.num_tokens
+            req_ids.append(read.request_id)
+            drafts.append([draft_token(read.model, read.request_id, p) for p in range(n, n + k)])
+        if req_ids:
+            scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
 
     def _check_excused(self, plan: StepPlan, outputs: Any) -> None:
         """A read a pending report excused is a known loss only if vLLM recomputes it:

@@ -358,6 +358,21 @@ CONFIGS["hybrid-retry-async-drop"] = dataclasses.replace(
 )
 
 
+def _with_drafts(config: FuzzConfig, name: str) -> FuzzConfig:
+    """``config`` with speculative decoding: three draft tokens per decode step (n-gram
+    drafting, so no draft model and no EAGLE block drop), each right with probability
+    ``shadow_kv.DRAFT_ACCEPTANCE``; the step keeps the drafts up to the first wrong one.
+    Drafts are never registered; a step that accepts drafts across a state-block boundary
+    leaves the state at that boundary in its block (vLLM's align-mode postprocess), which
+    vLLM 0.33 (and 0.32's ``AsyncScheduler``) registers in ``update_from_output``."""
+    return dataclasses.replace(
+        config,
+        name=name,
+        description=f"as {config.name}, with speculative decoding (three draft tokens a step)",
+        spec=dataclasses.replace(config.spec, num_speculative_tokens=3),
+    )
+
+
 def _with_partial_state_hits(config: FuzzConfig) -> FuzzConfig:
     """``config`` with a state block of four attention blocks: the scheduler steps in
     state blocks and hashes in attention blocks, so a prefix hit can end inside a state
@@ -380,6 +395,21 @@ CONFIGS.update(
     for partial in [_with_partial_state_hits(c) for c in CONFIGS.values() if c.spec.mamba_align]
 )
 
+#: Speculative decoding on a hybrid model: CI runs two, the soak all four (sync and
+#: async, with and without prefix hits inside a state block).
+_DRAFTED = {
+    name: _with_drafts(CONFIGS[base], name)
+    for name, base in (
+        ("hybrid-spec-victim", "hybrid-victim"),
+        ("hybrid-spec-retry-async", "hybrid-retry-async"),
+        ("hybrid-partial-spec-victim", "hybrid-partial-victim"),
+        ("hybrid-partial-spec-retry-async", "hybrid-partial-retry-async"),
+    )
+}
+CONFIGS.update(
+    (name, _DRAFTED[name]) for name in ("hybrid-spec-retry-async", "hybrid-partial-spec-victim")
+)
+
 
 #: Configurations outside CI's set (its tests, the upstream proof and ``fuzz`` without
 #: ``--config`` run :data:`CONFIGS`): the soak runs them, ``fuzz --config NAME`` on request.
@@ -393,7 +423,16 @@ SOAK_ONLY: dict[str, FuzzConfig] = {
         "while the step that names them is still in flight (CI: tests/layouts.py "
         "HYBRID_MOVED_CHECKPOINT)",
         depth=3,
-    )
+    ),
+    **{
+        name: dataclasses.replace(
+            config,
+            description=f"{config.description} (CI: hybrid-spec-retry-async, "
+            "hybrid-partial-spec-victim)",
+        )
+        for name, config in _DRAFTED.items()
+        if name not in CONFIGS
+    },
 }
 #: Every configuration, by name.
 ALL_CONFIGS: dict[str, FuzzConfig] = {**CONFIGS, **SOAK_ONLY}

@@ -1,0 +1,101 @@
+"""Speculative decoding on a hybrid model in align mode, judged by the shadow-KV oracle.
+
+vLLM never registers draft tokens (``allocate_slots`` caches up to ``request.num_tokens``,
+which excludes them); a rejection only lowers ``num_computed_tokens``. A decode step whose
+accepted drafts cross a state-block boundary leaves the state at that boundary in its
+block (the runner's align-mode postprocess), and vLLM 0.33 (0.32's ``AsyncScheduler``
+too) registers it in ``update_from_output``, once the step ran; 0.32's ``Scheduler``
+registers it in the next ``allocate_slots``. Under async scheduling the next step is
+scheduled as if every draft were accepted, and the runner moves it back by the drafts
+the step in flight rejects.
+
+Here a request decodes across boundaries with three drafts a step, and a second one
+whose prompt is the first's prompt and output resumes from a boundary state that only a
+drafted step wrote: the hit is right, stock and guard. The oracle has teeth: without the
+boundary copy, or (async) without the runner's move back, it sees wrong state.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.shadow_kv import (
+    STATE_WRONG_CONTENT,
+    Driver,
+    ShadowState,
+    TokenModel,
+)
+
+PROMPT = list(range(1, 101))  # 100 tokens; the state blocks hold 16
+DECODED = 60
+
+
+def continuation(prompt: list[int], num_tokens: int) -> list[int]:
+    """The fake model's first ``num_tokens`` tokens after ``prompt`` (what a request
+    with that prompt generates)."""
+    model = TokenModel(prompt)
+    return [model.token(position) for position in range(len(prompt), len(prompt) + num_tokens)]
+
+
+def drafted_then_resumed(async_scheduling: bool) -> Driver:
+    """r0 decodes 60 tokens with three drafts a step; then r1, whose prompt is r0's
+    prompt and first 40 generated tokens, is admitted on a hit of r0's blocks."""
+    scheduler = make_scheduler(
+        num_blocks=64,
+        mamba_align=True,
+        num_speculative_tokens=3,
+        async_scheduling=async_scheduling,
+    )
+    driver = Driver(scheduler, depth=2 if async_scheduling else 1)
+    driver.add(make_request("r0", PROMPT, max_tokens=DECODED))
+    driver.run()
+    driver.add(make_request("r1", [*PROMPT, *continuation(PROMPT, 40), 999], max_tokens=4))
+    driver.run()
+    return driver
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_hit_on_a_boundary_state_left_by_accepted_drafts_is_right(
+    mode: str, async_scheduling: bool
+) -> None:
+    driver = drafted_then_resumed(async_scheduling)
+    (state,) = driver.worker.states
+    assert state.boundary_copies > 0  # drafts crossed boundaries and were accepted
+    assert state.resumed_from_hits > 0
+    # r1 resumed past r0's prompt: from a state r0 left while decoding.
+    assert driver.hit_tokens > len(PROMPT) // 16 * 16
+    assert driver.violations == 0, dict(driver.kv.counts)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_oracle_sees_a_boundary_state_no_drafted_step_copied(
+    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """Teeth: a runner that leaves the boundary's block alone leaves r1's hit on a
+    state that was never written there."""
+    put = ShadowState._put
+
+    def put_but_boundary_copies(self: ShadowState, block_id, read, tokens, poison, step) -> None:  # type: ignore[no-untyped-def]
+        if tokens == read.valid_end:  # the step's own state, not a boundary's copy
+            put(self, block_id, read, tokens, poison, step)
+
+    monkeypatch.setattr(ShadowState, "_put", put_but_boundary_copies)
+    driver = drafted_then_resumed(async_scheduling)
+    assert driver.kv.counts[STATE_WRONG_CONTENT] > 0 or driver.kv.counts["state_never_written"]
+
+
+def test_the_oracle_follows_the_runner_moving_a_step_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Teeth, async: positions taken as scheduled (every draft of the step in flight
+    counted as accepted) write KV and state where the runner does not."""
+    schedule = Driver.schedule
+
+    def schedule_without_move_back(self: Driver):  # type: ignore[no-untyped-def]
+        output = schedule(self)
+        for read in self.in_flight[-1].reads:
+            read.earlier = []
+        return output
+
+    monkeypatch.setattr(Driver, "schedule", schedule_without_move_back)
+    driver = drafted_then_resumed(async_scheduling=True)
+    assert driver.violations > 0
