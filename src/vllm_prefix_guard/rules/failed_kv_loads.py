@@ -105,6 +105,12 @@ class FailedKVLoads:
       failed load on a block it was given since, and rewound it): then that
       goes too.
 
+    A block whose removed entry was already stale (the block was evicted and
+    reused since) holds other content than the entry named: once a step walked
+    after that entry's rewrites it cleanly (a copy from a block that was not
+    bad, or an entry that stays), a hit on it or a copy from it reads that
+    content, not bad KV.
+
     Invariant: when `roll_back` returns, no entry of those steps names KV that was
     loaded by the failed load or computed over it, and `reads_bad_kv` holds
     for every running request that still counts such KV as computed. Loaders
