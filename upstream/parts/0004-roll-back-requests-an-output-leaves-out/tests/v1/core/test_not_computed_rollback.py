@@ -185,7 +185,7 @@ def test_retry_preempted_before_the_report_has_its_output_dropped():
     assert retry.num_output_tokens == 0
 
 
-def create_hybrid_scheduler() -> AsyncScheduler:
+def create_hybrid_scheduler(num_blocks: int = 64) -> AsyncScheduler:
     """Full attention plus a Mamba group in align mode, async scheduling, as a
     GPU engine builds it (the scheduler steps in state blocks and hashes in
     attention blocks)."""
@@ -209,7 +209,7 @@ def create_hybrid_scheduler() -> AsyncScheduler:
     # A platform without async scheduling turns it off in the config.
     vllm_config.scheduler_config.async_scheduling = True
     kv_cache_config = KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
@@ -232,7 +232,7 @@ def create_hybrid_scheduler() -> AsyncScheduler:
             ),
         ],
     )
-    vllm_config.cache_config.num_gpu_blocks = 64
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     return AsyncScheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -297,3 +297,47 @@ def test_reader_of_a_state_left_out_through_its_copy_recomputes():
     resumed = scheduler.schedule().scheduled_cached_reqs
     assert resumed.resumed_req_ids == {r.request_id}
     assert resumed.num_computed_tokens == [128]
+
+
+def test_reader_of_a_block_rewritten_since_its_stale_entry_keeps_running():
+    """X's 48 tokens are dispatched beside D's chunk to 160 (D's state at 160
+    checkpointed in the block D computes), and X is aborted while they run; the
+    pool is full, so X's blocks are the next ones handed out. D's next chunk
+    would overwrite its checkpoint: vLLM copies it into one of X's blocks and
+    moves its key there. R is admitted on a partial hit of D's 160 tokens,
+    through a copy of that block. The output of X's step leaves X out, and X's
+    entries go; the one on that block was stale (the block was reused), and R
+    read D's checkpoint, written and copied since, not KV X never wrote: R keeps
+    running (the rollback's first form took any copy from a block an entry was
+    removed from as a bad read, and preempted R)."""
+    scheduler = create_hybrid_scheduler(num_blocks=18)
+    prompt = list(range(1000, 1176))
+    d = create_request("D", prompt, max_tokens=1)
+    x = create_request("X", list(range(3000, 3064)), max_tokens=1)
+    r = create_request("R", prompt[:160] + list(range(6000, 6020)), max_tokens=2)
+    scheduler.add_request(d)
+    first_chunk = scheduler.schedule()
+    scheduler.add_request(x)
+    left_out = scheduler.schedule()
+    assert left_out.num_scheduled_tokens == {d.request_id: 32, x.request_id: 48}
+    [x_admitted] = left_out.scheduled_new_reqs
+    x_block_ids = {b for group in x_admitted.block_ids for b in group}
+    scheduler.finish_requests(x.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(first_chunk, model_runner_output(first_chunk, [d]))
+    moving = scheduler.schedule()
+    [moved] = moving.kv_cache_block_copies
+    assert moved.dst_block_id in x_block_ids
+    scheduler.add_request(r)
+    copying = scheduler.schedule()
+    [admitted] = copying.scheduled_new_reqs
+    assert admitted.num_computed_tokens == 160
+    [copy] = copying.kv_cache_block_copies
+    assert copy.src_block_id == moved.dst_block_id
+
+    scheduler.update_from_output(left_out, model_runner_output(left_out, [d]))
+    # X's state checkpoint at 48, never written, is no longer cached.
+    block_pool = scheduler.kv_cache_manager.block_pool
+    [x_state_block_id] = x_admitted.block_ids[1]
+    assert block_pool.blocks[x_state_block_id].block_hash is None
+    assert r.status == RequestStatus.RUNNING  # PREEMPTED by the first form
+    assert r.num_computed_tokens == 176
