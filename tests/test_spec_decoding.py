@@ -21,6 +21,7 @@ import pytest
 
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import (
+    STATE_NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
     Driver,
     ShadowState,
@@ -82,7 +83,7 @@ def test_the_oracle_sees_a_boundary_state_no_drafted_step_copied(
 
     monkeypatch.setattr(ShadowState, "_put", put_but_boundary_copies)
     driver = drafted_then_resumed(async_scheduling)
-    assert driver.kv.counts[STATE_WRONG_CONTENT] > 0 or driver.kv.counts["state_never_written"]
+    assert driver.kv.counts[STATE_WRONG_CONTENT] > 0 or driver.kv.counts[STATE_NEVER_WRITTEN]
 
 
 def test_the_oracle_follows_the_runner_moving_a_step_back(monkeypatch: pytest.MonkeyPatch) -> None:

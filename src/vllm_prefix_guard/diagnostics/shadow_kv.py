@@ -162,18 +162,22 @@ class ScheduledRead:
         self.scheduled_start = self.start
 
     @property
+    def drafts_start(self) -> int:
+        """The position of the step's first draft: one past its own tokens."""
+        return self.start + self.num_tokens - len(self.draft_ids)
+
+    @property
     def valid_end(self) -> int:
         """One past the last position whose KV the step computes right: its tokens but
         the drafts it rejects."""
-        return self.start + self.num_tokens - len(self.draft_ids) + self.accepted
+        return self.drafts_start + self.accepted
 
     def verify_drafts(self) -> None:
         """Accept the drafts up to the first that is not the model's token (a
         placeholder is the fake drafter's guess)."""
-        first = self.start + self.num_tokens - len(self.draft_ids)
         accepted = 0
         for offset, token in enumerate(self.draft_ids):
-            position = first + offset
+            position = self.drafts_start + offset
             if token < 0:
                 token = draft_token(self.model, self.request_id, position)
             if token != self.model.token(position):
@@ -398,7 +402,7 @@ class ShadowState:
         # highest boundary crossed into that boundary's block (vLLM's align-mode
         # postprocess; a step without drafts ends on its own boundary or short of one).
         boundary = read.valid_end // self.block_size * self.block_size
-        if read.draft_ids and read.start + read.num_tokens - len(read.draft_ids) <= boundary:
+        if read.draft_ids and read.drafts_start <= boundary:
             boundary_block = read.state_block_ids[self.index][boundary // self.block_size - 1]
             if boundary < read.valid_end and boundary_block is not None:
                 self._put(boundary_block, read, boundary, poison, step)

@@ -149,6 +149,10 @@ class RollbackAudit(UncommittedPrefixCache):
         self.scheduler = scheduler
         self.driver = driver
         self.block_size: int = driver.worker.block_size
+        # Per KV-cache group (blocks_read walks every group of an admission).
+        self.block_sizes = [
+            manager.block_size for manager in self.kv_cache_manager.coordinator.single_type_managers
+        ]
         self.counts = AuditCounts()
         self.step = 0  # index of the open (next) schedule() call
         self._step_of: dict[int, int] = {}  # id(output) -> step, until it executed
@@ -349,15 +353,12 @@ class RollbackAudit(UncommittedPrefixCache):
                 on_block.setdefault(reg.block_id, []).append(reg)
         if not on_block:
             return
-        sizes = [
-            manager.block_size for manager in self.kv_cache_manager.coordinator.single_type_managers
-        ]
         sources = {
             copy.dst_block_id: copy.src_block_id
             for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ()
         }
         for request_id, block_ids, computed in hits:
-            for block_id in blocks_read(block_ids, computed, sizes):
+            for block_id in blocks_read(block_ids, computed, self.block_sizes):
                 for reg in on_block.get(sources.get(block_id, block_id), ()):
                     self._hits.setdefault(step, []).append((request_id, reg))
 
