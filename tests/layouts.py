@@ -309,6 +309,27 @@ PARTIAL_FAILED_LOADS = Workload(
 )
 
 
+# ``hybrid-partial-victim-sparse`` (vLLM 0.32, seed 1), shrunk: the priority-preemption
+# zombie under an engine's default prefix-cache retention (interval 0), where the only state
+# a prompt leaves cached is its checkpoint. Step 5's ``schedule()`` gives r1 its chunk to
+# 272 tokens (its prompt's checkpoint), registers the checkpoint, and preempts r1 for r3
+# (its prompt, a higher priority) in the same call; r1 resumes in step 8 on its own entry,
+# a block holding another request's state (state blocks are not zeroed).
+HYBRID_SPARSE_ZOMBIE_CHECKPOINT = Workload(
+    # hybrid-victim's scheduler, as the partial and sparse variants change it.
+    spec=dataclasses.replace(
+        HYBRID_WRONG_STATE_0_33.spec, mamba_block_multiple=4, retention_interval=0
+    ),
+    depth=1,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 64), (2000, 23)), max_tokens=4),
+        Arrive(0, "r1", prompt=((1000, 64), (3000, 213)), max_tokens=1, priority=2),
+        Arrive(1, "r2", prompt=((1000, 64),), max_tokens=5),
+        Arrive(2, "r3", prompt=((1000, 64), (3000, 213)), max_tokens=1, priority=1),
+    ),
+)
+
+
 # ``hybrid-partial-kv-load-async`` (vLLM 0.33, seed 5), shrunk: a hybrid model whose state
 # block spans four attention blocks, asynchronous loads around it. Step 49's
 # ``schedule()`` gives r11 the chunk that ends at 192 tokens, registers its state block for

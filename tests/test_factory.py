@@ -47,3 +47,20 @@ def test_hybrid_scheduler_steps_in_state_blocks_and_hashes_in_attention_blocks(
     ]
     partial_hits = getattr(manager.coordinator, "enable_partial_hash_hits", False)
     assert partial_hits is (multiple > 1)
+
+
+@pytest.mark.parametrize("retention", [None, 0])
+def test_state_retention_reaches_vllm_as_an_engine_passes_it(retention: int | None) -> None:
+    """An engine copies ``--prefix-cache-retention-interval`` from its cache config into
+    the ``KVCacheConfig`` the scheduler gets (``get_kv_cache_config``), and its default, 0,
+    keeps only the semantic checkpoints of sliding-window and state groups; a
+    ``KVCacheConfig`` built by hand keeps every state (None). The fuzz configurations
+    named ``*-sparse`` run the engine's default."""
+    from vllm.config import CacheConfig
+
+    scheduler = make_scheduler(SchedulerSpec(mamba_align=True, retention_interval=retention))
+    coordinator = scheduler.kv_cache_manager.coordinator
+    assert coordinator.retention_interval == retention
+    assert scheduler.kv_cache_config.prefix_cache_retention_interval == retention
+    assert scheduler.vllm_config.cache_config.prefix_cache_retention_interval == retention
+    assert CacheConfig().prefix_cache_retention_interval == 0

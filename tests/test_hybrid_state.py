@@ -13,6 +13,7 @@ output leaves out is rolled back as a failed KV load.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from layouts import (
     HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT,
     HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT,
     HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
+    HYBRID_SPARSE_ZOMBIE_CHECKPOINT,
     HYBRID_WRONG_STATE_0_33,
 )
 from native_fix import guard_only
@@ -332,6 +334,53 @@ def test_a_retry_resumed_in_flight_and_left_out_again_is_rolled_back(mode: str) 
     else:
         assert result.violations == 0, result.examples[:5]
         assert result.dependents_preempted == 3
+
+
+def test_no_resume_from_an_own_zombie_checkpoint_under_default_retention(mode: str) -> None:
+    """The fuzzer's stock finding on ``hybrid-partial-victim-sparse`` (vLLM 0.32 seed 1),
+    shrunk: under an engine's default prefix-cache retention (interval 0) a prompt leaves
+    only its checkpoint's state cached, and the priority-preemption zombie lands there. r1
+    is given its chunk to its checkpoint (272 tokens), the checkpoint registered, and r1
+    preempted in the same ``schedule()``; resumed, it starts from its own entry, a block
+    holding another request's state. Stock vLLM 0.32 and 0.33 read it (with every state
+    retained the schedule reads nothing bad); the guard rolls the entry back with the
+    preemption."""
+    result = run_partial_state_layout(HYBRID_SPARSE_ZOMBIE_CHECKPOINT, mode)
+    if mode == "stock":
+        assert result.examples == [(7, "r1", 272, 7, STATE_WRONG_CONTENT)]
+    else:
+        assert result.violations == 0, result.examples[:5]
+
+
+#: The regression layouts above whose failure stock keeps under an engine's default
+#: prefix-cache retention (interval 0), with stock's bad reads there: as many as with every
+#: state retained (vLLM 0.32 and 0.33). The zombie layouts of chunk ends that are no
+#: prompt's checkpoint (``HYBRID_PARTIAL_ZOMBIE_STATE``, ``HYBRID_WRONG_STATE_0_33``,
+#: ``HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT``) read nothing bad there: that retention
+#: never registers those states.
+UNDER_DEFAULT_RETENTION = {
+    "reader-through-a-copy": (HYBRID_PARTIAL_HIT_THROUGH_A_COPY, 128),
+    "moved-checkpoint": (HYBRID_MOVED_CHECKPOINT, 178),
+    "reader-in-two-steps-in-flight": (HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT, 129),
+    "retry-through-a-moved-checkpoint": (HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT, 1),
+    "retry-resumed-while-left-out": (HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT, 1),
+}
+
+
+@pytest.mark.parametrize("layout", UNDER_DEFAULT_RETENTION)
+def test_failure_shapes_under_an_engines_default_retention(mode: str, layout: str) -> None:
+    """An engine keeps fewer states by default than a ``KVCacheConfig`` built by hand (its
+    ``prefix_cache_retention_interval`` is 0, not dense): the failed-load, dropped-step and
+    copy shapes reach stock there all the same, and the guard reads nothing bad."""
+    workload, stock_bad_reads = UNDER_DEFAULT_RETENTION[layout]
+    sparse = dataclasses.replace(
+        workload, spec=dataclasses.replace(workload.spec, retention_interval=0)
+    )
+    result = run_partial_state_layout(sparse, mode)
+    if mode == "stock":
+        assert result.violations == stock_bad_reads, result.examples[:5]
+    else:
+        assert result.violations == 0, result.examples[:5]
 
 
 def retired_boundary(filler: bool) -> tuple[Driver, int]:

@@ -8,30 +8,20 @@ completion matches an engine without prefix caching. Measured on vLLM 0.32 (CPU,
 stock C and A differ from the reference from their first token on (top logprob off by 0.82
 nat), the guard matches to within 1.2e-5.
 
-Other platforms (``scripts/gpu_check.sh``) pass extra ``EngineArgs`` as JSON in
-``VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS`` (e.g. ``{"async_scheduling": true}``; vLLM's CPU backend
-always schedules synchronously) and may widen the logprob tolerance with
-``VLLM_PREFIX_GUARD_E2E_LOGPROB_ATOL``.
+Other platforms (``scripts/gpu_check.sh``) pass extra ``EngineArgs`` and a logprob tolerance
+(:mod:`platform_args`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
-from typing import Any
 
 import pytest
+from platform_args import ATOL, EXTRA_ENGINE_ARGS
 
-from guard_demo.compare import LOGPROB_ATOL
 from guard_demo.engine_proof import LAYOUT, EngineProof, prove
 
 pytestmark = pytest.mark.e2e
-
-EXTRA_ENGINE_ARGS: dict[str, Any] = json.loads(
-    os.environ.get("VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS") or "{}"
-)
-ATOL = float(os.environ.get("VLLM_PREFIX_GUARD_E2E_LOGPROB_ATOL") or LOGPROB_ATOL)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from vllm_prefix_guard.diagnostics.fuzz.audit import (
     RollbackAudit,
 )
 from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 
 
@@ -67,7 +67,7 @@ def test_a_twins_state_left_in_a_reused_block_is_not_valid_state_rolled_back() -
     from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
 
     quiet_vllm()
-    config = CONFIGS["hybrid-partial-kv-load-async"]
+    config = ALL_CONFIGS["hybrid-partial-kv-load-async"]
     reason = config.unavailable()
     if reason is not None:
         pytest.skip(reason)

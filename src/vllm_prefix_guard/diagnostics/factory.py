@@ -71,6 +71,13 @@ class SchedulerSpec:
     # > 0: speculative decoding with this many draft tokens per step (n-gram drafting:
     # no draft model, no lookahead slots; the shadow worker drafts).
     num_speculative_tokens: int = 0
+    # Which boundary states of sliding-window and state groups stay cached
+    # (``--prefix-cache-retention-interval``): None keeps every one (dense: what a
+    # ``KVCacheConfig`` built by hand gets, and an engine given an interval at or below the
+    # state block); 0, an engine's default, only the semantic checkpoints (the prompt's
+    # replay boundary, shared-prefix junctions): the other chunk ends' states are
+    # transient, their checkpoints re-keyed or dropped in the step that made them.
+    retention_interval: int | None = None
     # Any other SchedulerConfig field, passed through.
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -116,7 +123,9 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
     )
     scheduler_config = SchedulerConfig(**scheduler_kwargs)
     cache_config = CacheConfig(
-        block_size=spec.block_size, enable_prefix_caching=spec.enable_prefix_caching
+        block_size=spec.block_size,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        prefix_cache_retention_interval=spec.retention_interval,
     )
     extra: dict[str, Any] = {}
     if spec.kv_load_failure_policy is not None:
@@ -225,7 +234,13 @@ def kv_cache_config(spec: SchedulerSpec) -> Any:
                 ),
             )
         )
-    return KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return KVCacheConfig(
+        num_blocks=spec.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        # An engine copies the cache config's interval here (get_kv_cache_config).
+        prefix_cache_retention_interval=spec.retention_interval,
+    )
 
 
 def make_scheduler(

@@ -406,14 +406,31 @@ _DRAFTED = {
         ("hybrid-partial-spec-retry-async", "hybrid-partial-retry-async"),
     )
 }
-CONFIGS.update(
-    (name, _DRAFTED[name]) for name in ("hybrid-spec-retry-async", "hybrid-partial-spec-victim")
-)
+CONFIGS["hybrid-spec-retry-async"] = _DRAFTED["hybrid-spec-retry-async"]
+
+
+def _with_engine_retention(config: FuzzConfig, targeted: bool = False) -> FuzzConfig:
+    """``config`` with the prefix-cache retention an engine has by default
+    (``--prefix-cache-retention-interval 0``; a ``KVCacheConfig`` built by hand keeps every
+    state): the state group keeps only its semantic checkpoints (the prompt's replay
+    boundary, and shared-prefix junctions), allocates state blocks for the chunk reaching
+    the prompt's checkpoint only, and drops a transient checkpoint's entry in the step that
+    registered it. Fewer states are cached, so fewer hits can go wrong: stock's exposure
+    differs, and ``targeted`` says whether it reads bad KV in CI's seeds."""
+    return dataclasses.replace(
+        config,
+        name=f"{config.name}-sparse",
+        description=f"as {config.name}, with vLLM's default prefix-cache retention (only "
+        "the replay boundary's state stays cached)",
+        spec=dataclasses.replace(config.spec, retention_interval=0),
+        targeted=targeted,
+    )
 
 
 #: Configurations outside CI's set (its tests, the upstream proof and ``fuzz`` without
 #: ``--config`` run :data:`CONFIGS`): the soak runs them, ``fuzz --config NAME`` on request.
 #: Each has a fast representative in CI, a hand-built layout named in its description.
+_PARTIAL_LOADS = CONFIGS.pop("hybrid-partial-kv-load-async")
 SOAK_ONLY: dict[str, FuzzConfig] = {
     "hybrid-partial-retry-async-drop-depth3": dataclasses.replace(
         CONFIGS["hybrid-partial-retry-async-drop"],
@@ -428,12 +445,42 @@ SOAK_ONLY: dict[str, FuzzConfig] = {
         name: dataclasses.replace(
             config,
             description=f"{config.description} (CI: hybrid-spec-retry-async, "
-            "hybrid-partial-spec-victim)",
+            "tests/test_spec_decoding.py)",
         )
         for name, config in _DRAFTED.items()
         if name not in CONFIGS
     },
+    # Stock reads nothing bad on CI's seeds of it; the soak's finding is a layout.
+    "hybrid-partial-kv-load-async": dataclasses.replace(
+        _PARTIAL_LOADS,
+        description=f"{_PARTIAL_LOADS.description} (CI: hybrid-kv-load-async, "
+        "tests/layouts.py HYBRID_PARTIAL_ZOMBIE_STATE)",
+    ),
 }
+
+#: The hybrid configurations with an engine's default retention: CI runs two (the
+#: async retry of vLLM PR #56525, and its dropping worker on partial state hits), the
+#: soak every one.
+_SPARSE = {
+    sparse.name: sparse
+    for sparse in (
+        _with_engine_retention(config, targeted=config.name == "hybrid-partial-retry-async-drop")
+        for config in (*CONFIGS.values(), *SOAK_ONLY.values())
+        if config.spec.mamba_align
+    )
+}
+_SPARSE_IN_CI = ("hybrid-retry-async-sparse", "hybrid-partial-retry-async-drop-sparse")
+CONFIGS.update((name, _SPARSE[name]) for name in _SPARSE_IN_CI)
+SOAK_ONLY.update(
+    (
+        name,
+        dataclasses.replace(
+            config, description=f"{config.description} (CI: {', '.join(_SPARSE_IN_CI)})"
+        ),
+    )
+    for name, config in _SPARSE.items()
+    if name not in CONFIGS
+)
 #: Every configuration, by name.
 ALL_CONFIGS: dict[str, FuzzConfig] = {**CONFIGS, **SOAK_ONLY}
 
