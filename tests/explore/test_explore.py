@@ -92,6 +92,8 @@ def test_default_set_covers_sync_async_policies_and_failure_policies() -> None:
     assert {s.kv_load_failure_policy for s in scopes} >= {"fail", "recompute"}
     for scope in scopes:
         assert scope.name in scope.describe() and "horizon" in scope.describe()
+    # A hybrid model with every state retained, and with an engine's default retention.
+    assert {s.retention_interval for s in scopes if s.mamba_align} == {None, 0}
 
 
 #: The explorer's finding on ``sync-fcfs-recompute`` (vLLM 0.32 and 0.33): r0 loads a
@@ -159,6 +161,29 @@ def test_guard_hits_exceed_clean_stock_only_by_eviction_order() -> None:
     assert stock.bad_reads == guard.bad_reads == 0
     assert guard.hit_tokens >= stock.hit_tokens
     assert system.guard_rolled_back()
+
+
+#: The explorer's stock finding on ``hybrid-priority-sparse`` (vLLM 0.32), its shortest
+#: path: with an engine's default retention a prompt leaves only its checkpoint's state
+#: cached, and the priority-preemption zombie lands there: r1 and r3 (one 40-token prompt,
+#: low priority) resume on a never-written entry of it (attention KV at 32-35, the state at
+#: 36). With every state retained (``hybrid-priority``) no path reads bad state. On vLLM 0.30
+#: and 0.31 this path schedules otherwise and reads nothing bad.
+ZOMBIE_CHECKPOINT_PATH = (
+    Step.from_json([[0, 1], None, False, [], False]),
+    Step.from_json([[2, 3], "r0", False, [], False]),
+    Step.from_json([[], "r2", False, [], False]),
+    Step.from_json([[], "r1", False, [], False]),
+)
+
+
+def test_a_zombie_checkpoint_under_default_retention_is_read_by_stock_only() -> None:
+    with plugin_restored():
+        system = drain(replay(SCOPES["hybrid-priority-sparse"], ZOMBIE_CHECKPOINT_PATH, BOTH))
+    stock, guard = system.lanes
+    assert guard.bad_reads == 0
+    if not stock.bad_reads:
+        pytest.skip("the path reaches the window on vLLM 0.32 and 0.33's schedulers only")
 
 
 #: Fields the digest cannot read, and why that is sound: the connector's configuration is

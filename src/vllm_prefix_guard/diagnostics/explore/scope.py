@@ -28,7 +28,7 @@ Events per iteration (arrivals apply first, then the abort, then the reset, as i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
@@ -87,6 +87,9 @@ class Scope:
     # A second KV-cache group holding a Mamba / linear-attention state per block, in the
     # align mode prefix caching uses (the oracle checks the state each step starts from).
     mamba_align: bool = False
+    # The state group's prefix-cache retention (``SchedulerSpec.retention_interval``):
+    # None keeps every boundary state, 0 (an engine's default) a prompt's checkpoint only.
+    retention_interval: int | None = None
     # Blocks of a step in flight freed at once: vLLM's deferred block free
     # (``Scheduler.defer_block_free``) switched off. No configuration of vLLM 0.30-0.33
     # does this where a load can fail (a KV consumer with steps in flight always defers);
@@ -118,6 +121,7 @@ class Scope:
             async_scheduling=self.async_scheduling,
             kv_load_failure_policy=self.kv_load_failure_policy,
             mamba_align=self.mamba_align,
+            retention_interval=self.retention_interval,
         )
 
     def bounds(self) -> str:
@@ -139,6 +143,7 @@ class Scope:
             )
         events += ["a dropped output"] * self.drops
         model = ", a hybrid model (a Mamba state group, align mode)" * self.mamba_align
+        model += ", a prompt's checkpoint the only state retained" * (self.retention_interval == 0)
         fence = ", frees of blocks in flight not deferred" * self.unfenced_frees
         return (
             f"every sequence of {self.horizon} engine iterations, each with any of: "
@@ -330,6 +335,20 @@ SCOPES: dict[str, Scope] = {
         ),
     )
 }
+
+# The zombie layout and the dropped output again, with an engine's default retention.
+SCOPES.update(
+    (sparse.name, sparse)
+    for sparse in (
+        replace(
+            SCOPES[name],
+            name=f"{name}-sparse",
+            description=f"as {name}, with vLLM's default prefix-cache retention",
+            retention_interval=0,
+        )
+        for name in ("hybrid-priority", "hybrid-async-drop")
+    )
+)
 
 #: The scope CI explores on every run (well under two minutes on two busy cores).
 CI_SCOPE = "ci"
