@@ -415,8 +415,9 @@ def _with_engine_retention(config: FuzzConfig, targeted: bool = False) -> FuzzCo
     state): the state group keeps only its semantic checkpoints (the prompt's replay
     boundary, and shared-prefix junctions), allocates state blocks for the chunk reaching
     the prompt's checkpoint only, and drops a transient checkpoint's entry in the step that
-    registered it. Fewer states are cached, so fewer hits can go wrong: stock's exposure
-    differs, and ``targeted`` says whether it reads bad KV in CI's seeds."""
+    registered it. Fewer states are cached, but a prompt's checkpoint is the state every
+    retry and twin resumes from: in the soak stock reads bad state in every one of these
+    (docs/fuzzing.md). ``targeted`` says whether it does in CI's seeds."""
     return dataclasses.replace(
         config,
         name=f"{config.name}-sparse",
