@@ -312,9 +312,9 @@ PARTIAL_FAILED_LOADS = Workload(
 # ``hybrid-partial-victim-sparse`` (vLLM 0.32, seed 1), shrunk: the priority-preemption
 # zombie under an engine's default prefix-cache retention (interval 0), where the only state
 # a prompt leaves cached is its checkpoint. Step 5's ``schedule()`` gives r1 its chunk to
-# 272 tokens (its prompt's checkpoint), registers the checkpoint, and preempts r1 for r3
-# (its prompt, a higher priority) in the same call; r1 resumes in step 8 on its own entry,
-# a block holding another request's state (state blocks are not zeroed).
+# 272 tokens (its prompt's checkpoint), registers the checkpoint, and preempts r1 in the
+# same call (r3, r1's prompt at a higher priority, is scheduled in that step); r1 resumes in
+# step 8 on its own entry, a block holding another request's state (not zeroed).
 HYBRID_SPARSE_ZOMBIE_CHECKPOINT = Workload(
     # hybrid-victim's scheduler, as the partial and sparse variants change it.
     spec=dataclasses.replace(
