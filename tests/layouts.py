@@ -618,3 +618,24 @@ HYBRID_TWIN_STATE_UNDER_A_LEFT_OUT_ENTRY = Workload(
         Arrive(218, "r44", prompt=((1000, 32), (3000, 143), (41000, 68)), max_tokens=1),
     ),
 )
+
+
+# Was an imprecision (not a bad read): r0 and r1 compute their first chunks in one step. In
+# the next, r0's second chunk needs blocks and r1 (lower priority) is preempted, its blocks
+# handed to r0. r0 is aborted with both steps in flight and its worker leaves it out of both.
+# The not-computed rule moves r0's entries of the second step into the first step's record,
+# onto blocks r1 registered there; it then rolled back every request of that step with an
+# entry on one of those blocks as a loader, r1 included: r1's state at 64, which the first
+# step wrote, went with it. The rule now names its loaders (the requests left out). Shrunk
+# by hand, from the trace of hybrid-partial-retry-async-drop-depth3-sparse (vLLM 0.33, seed 1
+# at the soak's horizon: r1409's state at 128).
+HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS = Workload(
+    spec=dataclasses.replace(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec, num_blocks=12),
+    depth=3,
+    drop_aborted=True,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 256),), max_tokens=1),
+        Arrive(1, "r1", prompt=((2000, 80),), max_tokens=4, priority=1),
+        Abort(2, "r0"),
+    ),
+)

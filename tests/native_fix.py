@@ -34,8 +34,10 @@ METHODS: dict[str, Any] = {
     "reset": lambda self: None,
     "written": lambda self: None,
     "rollback_preempted": lambda self, req_id, num_written_tokens: None,
-    "rollback_failed_loads": lambda self, output, invalid_block_ids, running_req_ids: None,
-    "gather_not_computed": lambda self, scheduler_output, computed_req_ids: set(),
+    "rollback_failed_loads": (
+        lambda self, output, invalid_block_ids, running_req_ids, loader_req_ids=None: None
+    ),
+    "gather_not_computed": lambda self, scheduler_output, computed_req_ids: {},
 }
 
 

@@ -240,6 +240,13 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
     ),
     Edit(
         SCHEDULER,
+        """from collections.abc import Iterable
+""",
+        """from collections.abc import Collection, Iterable
+""",
+    ),
+    Edit(
+        SCHEDULER,
         """        # Every GPU write enqueued by this and earlier steps has completed, so it is
         # safe to return deferred-free blocks to the pool.
 """,
@@ -280,17 +287,22 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
         """        return engine_core_outputs
 
     def _roll_back_bad_kv(
-        self, scheduler_output: SchedulerOutput, bad_block_ids: set[int]
+        self,
+        scheduler_output: SchedulerOutput,
+        bad_block_ids: set[int],
+        loader_req_ids: Collection[str] | None = None,
     ) -> FailedKVLoads:
-        \"\"\"Remove the entries of `bad_block_ids` and of the KV computed over
-        them in this and every later step in flight; a reader vLLM preempted
-        since has its output in flight over bad KV, which is dropped.
+        \"\"\"Remove the entries of `bad_block_ids` (of `loader_req_ids` only, if
+        given) and of the KV computed over them in this and every later step in
+        flight; a reader vLLM preempted since has its output in flight over bad
+        KV, which is dropped.
         \"\"\"
         assert self.uncommitted_prefix_cache is not None
         failed_kv_loads = self.uncommitted_prefix_cache.rollback_failed_loads(
             scheduler_output,
             bad_block_ids,
             {request.request_id for request in self.running},
+            loader_req_ids,
         )
         failed_kv_loads.drop_stale_output(self.requests)
         return failed_kv_loads
@@ -384,7 +396,11 @@ NOT_COMPUTED: tuple[Edit, ...] = (
                 scheduler_output, model_runner_output.req_id_to_index
             )
             if not_computed:
-                left_out = self._roll_back_bad_kv(scheduler_output, not_computed)
+                left_out = self._roll_back_bad_kv(
+                    scheduler_output,
+                    set().union(*not_computed.values()),
+                    not_computed.keys(),
+                )
                 self._preempt_bad_kv_readers(left_out)
 
         # Every GPU write enqueued by this and earlier steps has completed, so it is

@@ -14,7 +14,7 @@ few integer reads; a rollback costs what its rule costs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -82,20 +82,23 @@ class SchedulerGuard:
         its entries of the step back as a failed load's, and preempt their readers now,
         so that vLLM drops their output of this step with the rest of it (readers vLLM
         preempted since have theirs dropped)."""
-        blocks = self.rules.gather_not_computed(output, model_runner_output.req_id_to_index)
-        if not blocks:
+        not_computed = self.rules.gather_not_computed(output, model_runner_output.req_id_to_index)
+        if not not_computed:
             return
-        rollback, removed = self._roll_back(output, blocks)
+        blocks = set().union(*not_computed.values())
+        rollback, removed = self._roll_back(output, blocks, not_computed.keys())
         self.stats.rolled_back_not_computed += removed
         self.preempt_bad_kv_readers(rollback)
 
-    def _roll_back(self, output: Any, blocks: set[int]) -> tuple[FailedKVLoads, int]:
+    def _roll_back(
+        self, output: Any, blocks: set[int], loader_req_ids: Collection[str] | None = None
+    ) -> tuple[FailedKVLoads, int]:
         """The failed-load rollback of ``blocks`` in ``output``'s step (the series'
         ``rollback_failed_loads``, then ``drop_stale_output``, before vLLM reads the
         output), and how many entries it removed."""
         removed = self.pool.guard_removed
         running = {request.request_id for request in self.scheduler.running}
-        rollback = self.rules.rollback_failed_loads(output, blocks, running)
+        rollback = self.rules.rollback_failed_loads(output, blocks, running, loader_req_ids)
         removed = self.pool.guard_removed - removed
         self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
         return rollback, removed

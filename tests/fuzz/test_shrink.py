@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from layouts import ZOMBIE_ARRIVALS, zombie_workload
+import pytest
+
+from layouts import HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS, ZOMBIE_ARRIVALS, zombie_workload
+from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.shrink import Budget, ddmin, reads_bad_kv, shrink
+from vllm_prefix_guard.diagnostics.fuzz.shrink import (
+    Budget,
+    ddmin,
+    reads_bad_kv,
+    rolls_back_valid_kv,
+    shrink,
+)
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 
 # The notes' deterministic layout, buried in unrelated traffic.
 E2 = ZOMBIE_ARRIVALS
@@ -33,3 +43,28 @@ def test_shrinks_to_the_known_layout_and_only_stock_fails() -> None:
     namespace: dict[str, object] = {}
     exec(small.to_python(), namespace)
     assert namespace["WORKLOAD"] == small
+
+
+@guard_only("the audit is the guard's rules")
+def test_shrinks_a_precision_finding_that_reads_nothing_bad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The audit's predicate shrinks a run that reads no bad KV (the not-computed rule
+    before it named its loaders rolled back a preempted request's valid state)."""
+    remove_loaders = FailedKVLoads._remove_loaders
+    monkeypatch.setattr(
+        FailedKVLoads,
+        "_remove_loaders",
+        lambda self, output, entries, blocks, loaders: remove_loaders(
+            self, output, entries, blocks, None
+        ),
+    )
+    layout = HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS
+    holds = rolls_back_valid_kv()
+    if not holds(layout):
+        pytest.skip("this vLLM schedules the layout otherwise (shrunk on 0.31-0.33)")
+    noisy = layout.replace([*layout.events, Arrive(30, "n0", ((5000, 20),), 1)])
+    small = shrink(noisy, "guard", seconds=60, predicate=holds)
+    assert run_workload(small, "guard").violations == 0
+    assert holds(small)
+    assert len(small.events) <= len(layout.events)

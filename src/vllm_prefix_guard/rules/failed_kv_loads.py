@@ -20,7 +20,7 @@ leaves three ways to read bad KV, which `FailedKVLoads` closes:
   entries name KV computed over bad KV.
 """
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import get_group_id
@@ -151,26 +151,39 @@ class FailedKVLoads:
         self.steps: list[tuple[SchedulerOutput, StepCacheEntries]] = []
 
     def roll_back(
-        self, scheduler_output: SchedulerOutput, invalid_block_ids: set[int]
+        self,
+        scheduler_output: SchedulerOutput,
+        invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None = None,
     ) -> None:
         """Roll back the failed loads of the step of `scheduler_output`, through
-        every later step in flight (nothing if that step is not in flight)."""
+        every later step in flight (nothing if that step is not in flight).
+
+        Args:
+            scheduler_output: The step that reported the failure.
+            invalid_block_ids: The blocks whose load failed.
+            loader_req_ids: The requests whose loads failed, if known (None: every
+                request with an entry of that step on an invalid block, as a
+                connector names blocks only).
+
+        """
         steps = self.uncommitted.steps_in_flight()
         for index, (output, _) in enumerate(steps):
             if output is scheduler_output:
-                self.walk(steps[index:], invalid_block_ids)
+                self.walk(steps[index:], invalid_block_ids, loader_req_ids)
                 return
 
     def walk(
         self,
         steps: list[tuple[SchedulerOutput, StepCacheEntries]],
         invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None = None,
     ) -> None:
         """Roll back the failed loads of `steps[0]`, through every later step
         in `steps` (oldest first)."""
         self.steps = steps
         self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
-        loaders = self._remove_loaders(*steps[0], invalid_block_ids)
+        loaders = self._remove_loaders(*steps[0], invalid_block_ids, loader_req_ids)
         # Requests whose computation in the step being walked reads bad KV.
         tainted = set(loaders)
         # Reader -> the record of its admission, which keeps the entries it had
@@ -256,17 +269,27 @@ class FailedKVLoads:
         scheduler_output: SchedulerOutput,
         entries: StepCacheEntries,
         invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None,
     ) -> set[str]:
         """Remove each loader's entries past its first failed token, but for the
         blocks that loaded fine: their KV is what the connector loaded, which
-        does not depend on the failed block before it."""
+        does not depend on the failed block before it.
+
+        Without `loader_req_ids`, a loader is a request with an entry on an
+        invalid block. With it, only those requests are: their entries of
+        later steps moved here (`gather_not_computed`) can be on blocks that
+        another request of this step registered and wrote, then freed when
+        preempted in a later step, which handed them on.
+        """
         loaded_tokens = {
             req_id: num_computed_tokens
             for req_id, _, num_computed_tokens in admissions(scheduler_output)
         }
         loaders = set()
         for req_id, req_entries in list(entries.items()):
-            if req_id is None:
+            if req_id is None or (
+                loader_req_ids is not None and req_id not in loader_req_ids
+            ):
                 continue
             failed = [e for e in req_entries if e[1].block_id in invalid_block_ids]
             if not failed:

@@ -164,6 +164,7 @@ class UncommittedPrefixCache:
         scheduler_output: SchedulerOutput,
         invalid_block_ids: set[int],
         running_req_ids: set[str],
+        loader_req_ids: Collection[str] | None = None,
     ) -> FailedKVLoads:
         """Remove the entries a failed KV load leaves without valid KV in the
         step of `scheduler_output` and the steps in flight after it, and find
@@ -174,19 +175,21 @@ class UncommittedPrefixCache:
             invalid_block_ids: The blocks whose load failed.
             running_req_ids: The running requests, before the failure is
                 handled.
+            loader_req_ids: The requests whose loads failed, if known (None:
+                every holder of an invalid block in that step).
 
         """
         rollback = FailedKVLoads(self, running_req_ids)
-        rollback.roll_back(scheduler_output, invalid_block_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids, loader_req_ids)
         return rollback
 
     def gather_not_computed(
         self, scheduler_output: SchedulerOutput, computed_req_ids: Collection[str]
-    ) -> set[int]:
+    ) -> dict[str, set[int]]:
         """Find the requests of the step of `scheduler_output` that its output
         leaves out, and move their entries of the later steps in flight into
-        this step's record; return the blocks of those whose KV or state is not
-        written.
+        this step's record; return, for each, the blocks of those whose KV or
+        state is not written.
 
         vLLM's runners compute every request of a step they were given, one
         aborted meanwhile included (it leaves the batch only when a later step
@@ -202,7 +205,10 @@ class UncommittedPrefixCache:
         it, in this step or one in flight after it, read or will read it. The
         caller rolls these blocks back as a failed KV load's
         (`rollback_failed_loads`), from this step on, where the request's
-        entries now are. Steps with no tokens scheduled (the empty output, a
+        entries now are, naming these requests its loaders: a block of an
+        entry moved here can also hold an entry of this step that another
+        request wrote before a later step preempted it and handed the block
+        on. Steps with no tokens scheduled (the empty output, a
         KV-connector-only step) register nothing, and an output `schedule()`
         did not produce has no record.
 
@@ -212,21 +218,22 @@ class UncommittedPrefixCache:
                 (`ModelRunnerOutput.req_id_to_index`).
 
         Returns:
-            The blocks, empty if the output lists every request of the step
-            (O(1); else O(requests of the steps in flight + their entries)).
+            Each request left out with entries not written -> their blocks;
+            empty if the output lists every request of the step (O(1); else
+            O(requests of the steps in flight + their entries)).
 
         """
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         if len(computed_req_ids) >= len(num_scheduled_tokens):
-            return set()
+            return {}
         record = self._in_flight.get(id(scheduler_output))
         if record is None:
-            return set()
+            return {}
         steps = list(self._in_flight.values())
         index = next(i for i, (output, _) in enumerate(steps) if output is record[0])
         entries = record[1]
         starts = [first_computed_tokens(output) for output, _ in steps[index:]]
-        not_computed: set[int] = set()
+        not_computed: dict[str, set[int]] = {}
         for req_id in num_scheduled_tokens:
             if req_id in computed_req_ids:
                 continue
@@ -238,7 +245,8 @@ class UncommittedPrefixCache:
                 step_starts[req_id] for step_starts in starts if req_id in step_starts
             )
             _, unwritten = self.split_written(entries.get(req_id, []), computed_before)
-            not_computed.update(block.block_id for _, block, _ in unwritten)
+            if unwritten:
+                not_computed[req_id] = {block.block_id for _, block, _ in unwritten}
         return not_computed
 
     @staticmethod

@@ -9,7 +9,7 @@ preemption rule, whose absence is stock's zombie.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -28,8 +28,9 @@ class ReadersKeepBadKV(FailedKVLoads):
         self,
         steps: list[tuple[SchedulerOutput, StepCacheEntries]],
         invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None = None,
     ) -> None:
-        super().walk(steps, invalid_block_ids)
+        super().walk(steps, invalid_block_ids, loader_req_ids)
         self.readers = set()
 
 
@@ -44,9 +45,10 @@ class OtherFailedLoadWalk(UncommittedPrefixCache):
         scheduler_output: SchedulerOutput,
         invalid_block_ids: set[int],
         running_req_ids: set[str],
+        loader_req_ids: Collection[str] | None = None,
     ) -> FailedKVLoads:
         rollback = self.walk_class(self, running_req_ids)
-        rollback.roll_back(scheduler_output, invalid_block_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids, loader_req_ids)
         return rollback
 
 
@@ -80,10 +82,11 @@ class KeptEntriesStay(FailedKVLoads):
         self,
         steps: list[tuple[SchedulerOutput, StepCacheEntries]],
         invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None = None,
     ) -> None:
         self.steps = steps
         self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
-        loaders = self._remove_loaders(*steps[0], invalid_block_ids)
+        loaders = self._remove_loaders(*steps[0], invalid_block_ids, loader_req_ids)
         tainted = set(loaders)
         kept: dict[str, StepCacheEntries] = {}
         for index, (output, entries) in enumerate(steps):

@@ -44,6 +44,7 @@ recomputed).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,20 +218,30 @@ class RollbackAudit(UncommittedPrefixCache):
         self.cause = PREEMPTED
         super().rollback_preempted(req_id, num_written_tokens)
 
-    def gather_not_computed(self, scheduler_output: Any, computed_req_ids: Any) -> set[int]:
-        blocks = super().gather_not_computed(scheduler_output, computed_req_ids)
+    def gather_not_computed(
+        self, scheduler_output: Any, computed_req_ids: Any
+    ) -> dict[str, set[int]]:
+        not_computed = super().gather_not_computed(scheduler_output, computed_req_ids)
         # The failed-load rollback that follows is this rule's: its rows say so.
-        self.not_computed = bool(blocks)
-        return blocks
+        self.not_computed = bool(not_computed)
+        return not_computed
 
     def rollback_failed_loads(
-        self, scheduler_output: Any, invalid_block_ids: set[int], running_req_ids: set[str]
+        self,
+        scheduler_output: Any,
+        invalid_block_ids: set[int],
+        running_req_ids: set[str],
+        loader_req_ids: Collection[str] | None = None,
     ) -> FailedKVLoads:
         step = self._step_of_dispatched.get(id(scheduler_output))
-        if step is not None:
-            self._invalid_at[step] = set(invalid_block_ids)
+        if step is not None and not self.not_computed:
+            # A connector's report names the blocks of that step's loads. The not-computed
+            # rule's blocks are another matter: a left-out request's entries moved there
+            # from later steps can sit on blocks that another request of that step wrote
+            # (and lost to a preemption since), so those are judged by content.
+            self._invalid_at.setdefault(step, set()).update(invalid_block_ids)
         rollback = self.failed_kv_loads(running_req_ids)
-        rollback.roll_back(scheduler_output, invalid_block_ids)
+        rollback.roll_back(scheduler_output, invalid_block_ids, loader_req_ids)
         rollback.readers = self.preempting_readers(rollback.readers)
         self.not_computed = False
         return rollback
@@ -472,10 +483,13 @@ class AuditedFailedKVLoads(FailedKVLoads):
         scheduler_output: SchedulerOutput,
         entries: StepCacheEntries,
         invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None,
     ) -> set[str]:
         self._cause = LOADER
         try:
-            return super()._remove_loaders(scheduler_output, entries, invalid_block_ids)
+            return super()._remove_loaders(
+                scheduler_output, entries, invalid_block_ids, loader_req_ids
+            )
         finally:
             self._cause = None
 

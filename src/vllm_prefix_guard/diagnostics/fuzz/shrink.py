@@ -39,6 +39,17 @@ def reads_bad_kv(mode: str) -> Predicate:
     return predicate
 
 
+def rolls_back_valid_kv(mode: str = "guard") -> Predicate:
+    """Whether the rollback audit finds valid KV or state rolled back in ``mode`` (a
+    precision finding: nothing bad is read, so only this predicate can shrink it)."""
+
+    def predicate(workload: Workload) -> bool:
+        audit = run_workload(workload, mode, audit=True).audit
+        return audit is not None and audit.valid_rolled_back > 0
+
+    return predicate
+
+
 class Budget:
     """A deadline for a shrink."""
 
@@ -78,11 +89,13 @@ def shrink(
     seconds: float = 60.0,
     predicate: Predicate | None = None,
 ) -> Workload:
-    """A small workload that, like ``workload``, reads bad KV in ``mode``.
+    """A small workload that, like ``workload``, reads bad KV in ``mode`` (or satisfies
+    ``predicate``).
 
     Args:
         seconds: time budget; the best workload found so far is returned when it runs out.
-        predicate: what must keep holding (default: reads bad KV in ``mode``).
+        predicate: what must keep holding (default: reads bad KV in ``mode``); it need
+            not involve a bad read (``rolls_back_valid_kv``).
 
     Raises:
         ValueError: ``workload`` does not satisfy the predicate to begin with.
@@ -90,11 +103,14 @@ def shrink(
     holds = predicate or reads_bad_kv(mode)
     budget = Budget(seconds)
     first = run_workload(workload, mode, stop_on_violation=True).first_violation_iteration
-    if first is None or not holds(workload):
-        raise ValueError(f"the workload reads no bad KV in mode {mode!r}")
-    best = workload.replace([e for e in workload.events if e.step <= first])
-    if not holds(best):
-        best = workload
+    if (first is None and predicate is None) or not holds(workload):
+        what = "reads no bad KV" if predicate is None else "does not satisfy the predicate"
+        raise ValueError(f"the workload {what} in mode {mode!r}")
+    best = workload
+    if first is not None:
+        truncated = workload.replace([e for e in workload.events if e.step <= first])
+        if holds(truncated):
+            best = truncated
 
     def attempt(candidate: Workload) -> bool:
         nonlocal best

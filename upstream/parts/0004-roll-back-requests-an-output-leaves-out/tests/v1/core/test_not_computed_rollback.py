@@ -185,10 +185,13 @@ def test_retry_preempted_before_the_report_has_its_output_dropped():
     assert retry.num_output_tokens == 0
 
 
-def create_hybrid_scheduler(num_blocks: int = 64) -> AsyncScheduler:
+def create_hybrid_scheduler(
+    num_blocks: int = 64, reserve_full_isl: bool = True
+) -> AsyncScheduler:
     """Full attention plus a Mamba group in align mode, async scheduling, as a
     GPU engine builds it (the scheduler steps in state blocks and hashes in
-    attention blocks)."""
+    attention blocks). Without `reserve_full_isl`, a request is admitted on the
+    blocks of its first chunk."""
     vllm_config = VllmConfig(
         model_config=ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42),
         scheduler_config=SchedulerConfig(
@@ -198,6 +201,7 @@ def create_hybrid_scheduler(num_blocks: int = 64) -> AsyncScheduler:
             long_prefill_token_threshold=64,
             is_encoder_decoder=False,
             async_scheduling=True,
+            scheduler_reserve_full_isl=reserve_full_isl,
         ),
         cache_config=CacheConfig(
             block_size=STATE_BLOCK_SIZE,
@@ -341,3 +345,41 @@ def test_reader_of_a_block_rewritten_since_its_stale_entry_keeps_running():
     assert block_pool.blocks[x_state_block_id].block_hash is None
     assert r.status == RequestStatus.RUNNING  # PREEMPTED by the first form
     assert r.num_computed_tokens == 176
+
+
+def test_request_preempted_for_a_left_out_one_keeps_its_state():
+    """A and B compute their first chunks in one step. In the next, A's second
+    chunk needs blocks: B, the later arrival, is preempted, and A takes over
+    B's attention blocks. A is aborted with both steps in flight and its
+    output leaves it out. A's entries of the second step, on B's former
+    blocks, go with the first step's report; B is no loader of A's: its state
+    at 64, which the first step wrote in a block nobody took over, stays
+    cached (the rollback's first form took every request of the reporting step
+    with an entry on one of those blocks for a loader)."""
+    scheduler = create_hybrid_scheduler(num_blocks=12, reserve_full_isl=False)
+    a = create_request("A", list(range(1000, 1256)), max_tokens=1)
+    b = create_request("B", list(range(2000, 2080)), max_tokens=4)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first_chunks = scheduler.schedule()
+    assert first_chunks.num_scheduled_tokens == {a.request_id: 64, b.request_id: 64}
+    [_, b_admitted] = first_chunks.scheduled_new_reqs
+    [b_state_block_id] = b_admitted.block_ids[1]
+    taking_over = scheduler.schedule()
+    assert taking_over.num_scheduled_tokens == {a.request_id: 64}
+    assert b.status == RequestStatus.PREEMPTED
+    a_block_ids = {
+        block_id
+        for group in scheduler.kv_cache_manager.get_block_ids(a.request_id)
+        for block_id in group
+    }
+    assert set(b_admitted.block_ids[0]) & a_block_ids
+    assert b_state_block_id not in a_block_ids
+
+    scheduler.finish_requests(a.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(first_chunks, model_runner_output(first_chunks, [b]))
+    assert num_hit_tokens(scheduler, a) == 0  # A's chunks were never written
+    block_pool = scheduler.kv_cache_manager.block_pool
+    assert block_pool.blocks[b_state_block_id].block_hash is not None  # None before
+    scheduler.update_from_output(taking_over, model_runner_output(taking_over, []))
+    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
