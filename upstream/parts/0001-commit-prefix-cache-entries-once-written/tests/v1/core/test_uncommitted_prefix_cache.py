@@ -11,11 +11,24 @@ outliving `free()`), #56525 (async retry of an aborted prefill).
 """
 
 import pytest
+import torch
 
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
 from ..kv_connector.unit.utils import create_model_runner_output, make_kv_cache_config
 from ..kv_connector.unit.utils import (
@@ -73,6 +86,98 @@ def num_tokens_written(request: Request, outputs: list[SchedulerOutput]) -> int:
     req_id = request.request_id
     num_tokens = sum(o.num_scheduled_tokens.get(req_id, 0) for o in outputs)
     return num_tokens // BLOCK_SIZE * BLOCK_SIZE
+
+
+# A hybrid model's state block spans four attention blocks.
+STATE_BLOCK_SIZE = 64
+
+
+def create_mamba_scheduler(
+    num_blocks: int = 64,
+    *,
+    async_scheduling: bool = True,
+    scheduling_policy: str = "fcfs",
+    reserve_full_isl: bool = True,
+    retention_interval: int | None = None,
+) -> Scheduler:
+    """Full attention plus a Mamba group in align mode, as a GPU engine builds
+    it (the scheduler steps in state blocks and hashes in attention blocks).
+    Without `reserve_full_isl`, a request is admitted on the blocks of its
+    first chunk. `retention_interval` is the engine's
+    `--prefix-cache-retention-interval` (0 by default: only a prompt's
+    checkpoint keeps its state; None: every state block boundary)."""
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            long_prefill_token_threshold=64,
+            is_encoder_decoder=False,
+            async_scheduling=async_scheduling,
+            policy=scheduling_policy,
+            scheduler_reserve_full_isl=reserve_full_isl,
+        ),
+        cache_config=CacheConfig(
+            block_size=STATE_BLOCK_SIZE,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align",
+            mamba_block_size=STATE_BLOCK_SIZE,
+            prefix_cache_retention_interval=retention_interval,
+        ),
+    )
+    # A platform without async scheduling turns it off in the config.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["attention"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["mamba"],
+                MambaSpec(
+                    block_size=STATE_BLOCK_SIZE,
+                    shapes=((1, 1),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
+                ),
+            ),
+        ],
+        # As an engine passes its cache config's (get_kv_cache_config).
+        prefix_cache_retention_interval=retention_interval,
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    scheduler_class = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_class(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=STATE_BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
+
+
+def create_mamba_request(
+    request_id: str, prompt: list[int], max_tokens: int, priority: int = 0
+) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        priority=priority,
+    )
 
 
 # Priority preemption of a request already scheduled in the same `schedule()`:
@@ -277,3 +382,50 @@ def test_reset_prefix_cache_drops_uncommitted_entries():
     scheduler.update_from_output(resumed, model_runner_output(resumed, requests))
     assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
     assert num_hit_tokens(scheduler, request) == 48
+
+
+def test_preempted_request_resumes_from_no_state_checkpoint_of_its_step():
+    """A hybrid model with an engine's default prefix-cache retention: a
+    prompt's recurrent state is cached at its checkpoint only. A's chunk ends
+    on its prompt's checkpoint (272 tokens, inside a state block); that state
+    is registered, and A is preempted in the same `schedule()` while B, A's
+    prompt at a higher priority, is scheduled there. Nothing writes that
+    state, and its block holds another request's (state blocks are not
+    zeroed). B reaches the checkpoint two steps later and writes it; A,
+    resumed on a partial hit at 272, must copy B's state, not its own entry's
+    block."""
+    scheduler = create_mamba_scheduler(
+        num_blocks=40,
+        async_scheduling=False,
+        scheduling_policy="priority",
+        reserve_full_isl=False,
+        retention_interval=0,
+    )
+    system = list(range(1000, 1064))
+    c = create_mamba_request("C", system + list(range(2000, 2023)), max_tokens=4)
+    a_prompt = system + list(range(3000, 3213))
+    a = create_mamba_request("A", a_prompt, max_tokens=1, priority=2)
+    d = create_mamba_request("D", system, max_tokens=5)
+    b = create_mamba_request("B", a_prompt, max_tokens=1, priority=1)
+    requests = [c, a, d, b]
+    scheduler.add_request(c)
+    scheduler.add_request(a)
+    run_step(scheduler, requests)
+    scheduler.add_request(d)
+    run_step(scheduler, requests)
+    scheduler.add_request(b)
+    run_step(scheduler, requests)
+    run_step(scheduler, requests)
+    assert a.num_computed_tokens == 256
+    preempting = run_step(scheduler, requests)  # A registers 272, then goes
+    assert preempting.preempted_req_ids == {a.request_id}
+    assert b.request_id in preempting.num_scheduled_tokens
+    assert run_step(scheduler, requests).num_scheduled_tokens[b.request_id] == 16
+    # B's next step would overwrite its checkpoint: vLLM moves it onto a copy.
+    [moved] = run_step(scheduler, requests).kv_cache_block_copies
+
+    resuming = scheduler.schedule()
+    assert resuming.scheduled_cached_reqs.resumed_req_ids == {a.request_id}
+    assert resuming.scheduled_cached_reqs.num_computed_tokens == [272]
+    [copy] = resuming.kv_cache_block_copies
+    assert copy.src_block_id == moved.dst_block_id  # A's own block before this fix

@@ -16,36 +16,28 @@ checkpoint it hits into a block of its own before its step runs.
 """
 
 import pytest
-import torch
 
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-)
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from ..kv_connector.unit.utils import create_model_runner_output
 from .test_scheduler import create_requests_with_priority
 
-# A worker's output listing the step's requests among those given (none: all left out).
-from .test_uncommitted_prefix_cache import model_runner_output, num_hit_tokens
+# A worker's output listing the step's requests among those given (none: all left
+# out); a hybrid model's scheduler (full attention plus a Mamba group in align mode,
+# its state block four attention blocks, so a prefix hit may end inside one, on a
+# checkpoint of the state at that attention-block boundary).
+from .test_uncommitted_prefix_cache import (
+    create_mamba_request,
+    create_mamba_scheduler,
+    model_runner_output,
+    num_hit_tokens,
+)
 from .utils import create_requests, create_scheduler
 
 pytestmark = pytest.mark.cpu_test
 
 BLOCK_SIZE = 16
-# The hybrid model's state block: four attention blocks, so a prefix hit may end
-# inside one, on a checkpoint of the state at that attention-block boundary.
-STATE_BLOCK_SIZE = 64
 
 
 def abort_in_flight(async_scheduling: bool) -> tuple[Scheduler, list[Request]]:
@@ -185,79 +177,6 @@ def test_retry_preempted_before_the_report_has_its_output_dropped():
     assert retry.num_output_tokens == 0
 
 
-def create_hybrid_scheduler(
-    num_blocks: int = 64, reserve_full_isl: bool = True
-) -> AsyncScheduler:
-    """Full attention plus a Mamba group in align mode, async scheduling, as a
-    GPU engine builds it (the scheduler steps in state blocks and hashes in
-    attention blocks). Without `reserve_full_isl`, a request is admitted on the
-    blocks of its first chunk."""
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(model="facebook/opt-125m", dtype="float16", seed=42),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            max_model_len=1024,
-            long_prefill_token_threshold=64,
-            is_encoder_decoder=False,
-            async_scheduling=True,
-            scheduler_reserve_full_isl=reserve_full_isl,
-        ),
-        cache_config=CacheConfig(
-            block_size=STATE_BLOCK_SIZE,
-            enable_prefix_caching=True,
-            mamba_cache_mode="align",
-            mamba_block_size=STATE_BLOCK_SIZE,
-        ),
-    )
-    # A platform without async scheduling turns it off in the config.
-    vllm_config.scheduler_config.async_scheduling = True
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["attention"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                ),
-            ),
-            KVCacheGroupSpec(
-                ["mamba"],
-                MambaSpec(
-                    block_size=STATE_BLOCK_SIZE,
-                    shapes=((1, 1),),
-                    dtypes=(torch.float32,),
-                    mamba_cache_mode="align",
-                ),
-            ),
-        ],
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return AsyncScheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=STATE_BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-
-
-def create_request(request_id: str, prompt: list[int], max_tokens: int) -> Request:
-    init_none_hash(sha256)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
-
-
 def test_reader_of_a_state_left_out_through_its_copy_recomputes():
     """A computes a 200-token prompt. D, its first 176 tokens, runs two chunks:
     128 tokens, then 32 more with a checkpoint of its state at 160 in the block
@@ -266,17 +185,17 @@ def test_reader_of_a_state_left_out_through_its_copy_recomputes():
     into R's own block, so no block R holds is one whose state was left out.
     The output of D's second chunk leaves D out: R read a state nobody wrote
     through the copy, and is preempted to recompute from D's state at 128."""
-    scheduler = create_hybrid_scheduler()
+    scheduler = create_mamba_scheduler()
     prompt = list(range(1000, 1200))
-    a = create_request("A", prompt, max_tokens=1)
+    a = create_mamba_request("A", prompt, max_tokens=1)
     scheduler.add_request(a)
     while scheduler.get_num_unfinished_requests():
         scheduler_output = scheduler.schedule()
         scheduler.update_from_output(
             scheduler_output, model_runner_output(scheduler_output, [a])
         )
-    d = create_request("D", prompt[:176], max_tokens=5)
-    r = create_request("R", prompt[:176] + list(range(6000, 6030)), max_tokens=3)
+    d = create_mamba_request("D", prompt[:176], max_tokens=5)
+    r = create_mamba_request("R", prompt[:176] + list(range(6000, 6030)), max_tokens=3)
     scheduler.add_request(d)
     first_chunk = scheduler.schedule()
     left_out = scheduler.schedule()
@@ -314,11 +233,11 @@ def test_reader_of_a_block_rewritten_since_its_stale_entry_keeps_running():
     read D's checkpoint, written and copied since, not KV X never wrote: R keeps
     running (the rollback's first form took any copy from a block an entry was
     removed from as a bad read, and preempted R)."""
-    scheduler = create_hybrid_scheduler(num_blocks=18)
+    scheduler = create_mamba_scheduler(num_blocks=18)
     prompt = list(range(1000, 1176))
-    d = create_request("D", prompt, max_tokens=1)
-    x = create_request("X", list(range(3000, 3064)), max_tokens=1)
-    r = create_request("R", prompt[:160] + list(range(6000, 6020)), max_tokens=2)
+    d = create_mamba_request("D", prompt, max_tokens=1)
+    x = create_mamba_request("X", list(range(3000, 3064)), max_tokens=1)
+    r = create_mamba_request("R", prompt[:160] + list(range(6000, 6020)), max_tokens=2)
     scheduler.add_request(d)
     first_chunk = scheduler.schedule()
     scheduler.add_request(x)
@@ -356,9 +275,9 @@ def test_request_preempted_for_a_left_out_one_keeps_its_state():
     at 64, which the first step wrote in a block nobody took over, stays
     cached (the rollback's first form took every request of the reporting step
     with an entry on one of those blocks for a loader)."""
-    scheduler = create_hybrid_scheduler(num_blocks=12, reserve_full_isl=False)
-    a = create_request("A", list(range(1000, 1256)), max_tokens=1)
-    b = create_request("B", list(range(2000, 2080)), max_tokens=4)
+    scheduler = create_mamba_scheduler(num_blocks=12, reserve_full_isl=False)
+    a = create_mamba_request("A", list(range(1000, 1256)), max_tokens=1)
+    b = create_mamba_request("B", list(range(2000, 2080)), max_tokens=4)
     scheduler.add_request(a)
     scheduler.add_request(b)
     first_chunks = scheduler.schedule()
