@@ -639,3 +639,16 @@ HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS = Workload(
         Abort(2, "r0"),
     ),
 )
+
+
+def any_holder_is_a_loader(monkeypatch: Any) -> None:
+    """Put back the not-computed rule as it was before it named its loaders: every request
+    of the reporting step with an entry on one of the rule's blocks is a loader."""
+    from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
+
+    remove_loaders = FailedKVLoads._remove_loaders
+
+    def by_block(self: Any, output: Any, entries: Any, blocks: Any, loaders: Any) -> Any:
+        return remove_loaders(self, output, entries, blocks, None)
+
+    monkeypatch.setattr(FailedKVLoads, "_remove_loaders", by_block)

@@ -30,6 +30,7 @@ from layouts import (
     HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS,
     HYBRID_STALE_COPY_SOURCE_REWRITTEN,
     HYBRID_TWIN_STATE_UNDER_A_LEFT_OUT_ENTRY,
+    any_holder_is_a_loader,
 )
 from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.fuzz.audit import (
@@ -44,7 +45,6 @@ from vllm_prefix_guard.diagnostics.fuzz.audit import (
 from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
 from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 
 
 @pytest.mark.slow
@@ -137,14 +137,9 @@ def test_a_request_preempted_for_a_left_out_one_is_not_its_loader(monkeypatch) -
     assert result.audit is not None
     assert (result.audit.valid_rolled_back, result.audit.invalid_committed) == (0, 0)
 
-    remove_loaders = FailedKVLoads._remove_loaders
-
-    def any_holder(self, output, entries, invalid_block_ids, loader_req_ids):  # type: ignore[no-untyped-def]
-        return remove_loaders(self, output, entries, invalid_block_ids, None)
-
     if vllm.__version__.startswith("0.30."):
         return  # 0.30 schedules these arrivals otherwise: r1 is not preempted there
-    monkeypatch.setattr(FailedKVLoads, "_remove_loaders", any_holder)
+    any_holder_is_a_loader(monkeypatch)
     before = run_workload(HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS, "guard", audit=True)
     assert before.audit is not None
     assert before.audit.examples == [(f"{NOT_COMPUTED}: loader, failing step", "r1", 1, 10, 64)]

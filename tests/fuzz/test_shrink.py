@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from layouts import HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS, ZOMBIE_ARRIVALS, zombie_workload
+from layouts import (
+    HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS,
+    ZOMBIE_ARRIVALS,
+    any_holder_is_a_loader,
+    zombie_workload,
+)
 from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.shrink import (
@@ -15,7 +20,6 @@ from vllm_prefix_guard.diagnostics.fuzz.shrink import (
     shrink,
 )
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive
-from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 
 # The notes' deterministic layout, buried in unrelated traffic.
 E2 = ZOMBIE_ARRIVALS
@@ -51,14 +55,7 @@ def test_shrinks_a_precision_finding_that_reads_nothing_bad(
 ) -> None:
     """The audit's predicate shrinks a run that reads no bad KV (the not-computed rule
     before it named its loaders rolled back a preempted request's valid state)."""
-    remove_loaders = FailedKVLoads._remove_loaders
-    monkeypatch.setattr(
-        FailedKVLoads,
-        "_remove_loaders",
-        lambda self, output, entries, blocks, loaders: remove_loaders(
-            self, output, entries, blocks, None
-        ),
-    )
+    any_holder_is_a_loader(monkeypatch)
     layout = HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS
     holds = rolls_back_valid_kv()
     if not holds(layout):
