@@ -17,7 +17,9 @@ import dataclasses
 from typing import Any
 
 import pytest
+import vllm
 
+from guard_demo import hybrid_engine_proof
 from layouts import (
     HYBRID_MOVED_CHECKPOINT,
     HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
@@ -39,6 +41,7 @@ from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload,
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     NEVER_WRITTEN,
     OUTPUT_OVER_BAD_KV,
+    STATE_NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
     Driver,
 )
@@ -348,6 +351,24 @@ def test_no_resume_from_an_own_zombie_checkpoint_under_default_retention(mode: s
     result = run_partial_state_layout(HYBRID_SPARSE_ZOMBIE_CHECKPOINT, mode)
     if mode == "stock":
         assert result.examples == [(7, "r1", 272, 7, STATE_WRONG_CONTENT)]
+    else:
+        assert result.violations == 0, result.examples[:5]
+
+
+def test_engine_sized_zombie_checkpoint_under_default_retention(mode: str) -> None:
+    """The layout ``tests/e2e/test_engine_hybrid_zombie.py`` runs on a real engine
+    (``guard_demo.hybrid_engine_proof``: 64-token blocks, one state block per attention
+    block, vLLM's default retention), through the shadow-KV oracle. r3 is preempted in the
+    ``schedule()`` call that gave it its chunk to its prompt's checkpoint (256 tokens) and
+    resumes on that entry in the next: stock starts it from a state block nobody wrote
+    (vLLM 0.31-0.33; 0.30 schedules these arrivals otherwise and reads nothing bad); the
+    guard rolls the entry back with the preemption."""
+    result = run_workload(hybrid_engine_proof.LAYOUT, "stock" if mode == "native" else mode)
+    if mode == "stock":
+        if vllm.__version__.startswith("0.30."):
+            assert result.violations == 0
+            return
+        assert result.examples[0] == (6, "r3", 256, 15, STATE_NEVER_WRITTEN), result.examples[:3]
     else:
         assert result.violations == 0, result.examples[:5]
 

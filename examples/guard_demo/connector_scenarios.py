@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, compare_completions
-from guard_demo.in_process import in_process_engine
+from guard_demo.in_process import external_id, in_process_engine
 from guard_demo.workload import PROMPT_VOCAB, WorkItem
 
 __all__ = [
@@ -210,7 +210,7 @@ class _Driver:
             result = execute_model(scheduler_output, *args, **kwargs)
             name = self._abort_armed
             if name is not None and any(
-                _external_id(r) == name for r in scheduler_output.num_scheduled_tokens
+                external_id(r) == name for r in scheduler_output.num_scheduled_tokens
             ):
                 # What EngineCore's input thread does with a client's abort that arrives
                 # while the step executes: step() processes it before update_from_output.
@@ -267,15 +267,10 @@ class _Driver:
             if value != before.get(key, 0)
         }
         run.loads = [
-            (_external_id(r), n, blocks) for r, n, blocks in self.connector.loads[loads_before:]
+            (external_id(r), n, blocks) for r, n, blocks in self.connector.loads[loads_before:]
         ]
         self._current = None
         return run
-
-
-def _external_id(internal_id: str) -> str:
-    # LLMEngine makes request ids unique with a "-<random hex>" suffix.
-    return internal_id.rpartition("-")[0] or internal_id
 
 
 # -- the three kinds of engine -----------------------------------------------------------

