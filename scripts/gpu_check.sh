@@ -71,7 +71,8 @@ export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 export VLLM_FLOAT32_MATMUL_PRECISION=highest
 # Async scheduling, and a modest memory share so that the three engines built one after the
 # other in this process never trip vLLM's free-memory check on a leftover allocation.
-export VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS='{"async_scheduling": true, "gpu_memory_utilization": 0.3}'
+ENGINE_ARGS='"async_scheduling": true, "gpu_memory_utilization": 0.3'
+export VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS="{$ENGINE_ARGS}"
 # float32 on Hopper runs attention in Triton, whose float32 dot products use TF32: allow 1e-2
 # (corruption measured on CPU: 0.82 nat on the first token; batch-shape noise: 1.2e-5).
 export VLLM_PREFIX_GUARD_E2E_LOGPROB_ATOL=1e-2
@@ -95,7 +96,7 @@ elif [[ -n $HYBRID ]]; then
     if [[ $HYBRID == spec ]]; then
         # null, not the block size: the reference engine (no prefix caching, so no align
         # mode) schedules in blocks of max_model_len and refuses an interval of 64.
-        export VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS='{"async_scheduling": true, "gpu_memory_utilization": 0.3, "prefix_cache_retention_interval": null, "speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
+        export VLLM_PREFIX_GUARD_E2E_ENGINE_ARGS='{'"$ENGINE_ARGS"', "prefix_cache_retention_interval": null, "speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
     fi
 else
     TIMEOUT="${GPU_CHECK_TIMEOUT:-300}"

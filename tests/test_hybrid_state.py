@@ -374,17 +374,17 @@ def test_engine_sized_zombie_checkpoint_under_default_retention(mode: str) -> No
 
 
 #: The regression layouts above whose failure stock keeps under an engine's default
-#: prefix-cache retention (interval 0), with stock's bad reads there: as many as with every
-#: state retained (vLLM 0.32 and 0.33). The zombie layouts of chunk ends that are no
-#: prompt's checkpoint (``HYBRID_PARTIAL_ZOMBIE_STATE``, ``HYBRID_WRONG_STATE_0_33``,
+#: prefix-cache retention (interval 0), with as many bad reads as with every state retained
+#: (vLLM 0.32 and 0.33). The zombie layouts of chunk ends that are no prompt's checkpoint
+#: (``HYBRID_PARTIAL_ZOMBIE_STATE``, ``HYBRID_WRONG_STATE_0_33``,
 #: ``HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT``) read nothing bad there: that retention
 #: never registers those states.
 UNDER_DEFAULT_RETENTION = {
-    "reader-through-a-copy": (HYBRID_PARTIAL_HIT_THROUGH_A_COPY, 128),
-    "moved-checkpoint": (HYBRID_MOVED_CHECKPOINT, 178),
-    "reader-in-two-steps-in-flight": (HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT, 129),
-    "retry-through-a-moved-checkpoint": (HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT, 1),
-    "retry-resumed-while-left-out": (HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT, 1),
+    "reader-through-a-copy": HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
+    "moved-checkpoint": HYBRID_MOVED_CHECKPOINT,
+    "reader-in-two-steps-in-flight": HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
+    "retry-through-a-moved-checkpoint": HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
+    "retry-resumed-while-left-out": HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT,
 }
 
 
@@ -392,14 +392,16 @@ UNDER_DEFAULT_RETENTION = {
 def test_failure_shapes_under_an_engines_default_retention(mode: str, layout: str) -> None:
     """An engine keeps fewer states by default than a ``KVCacheConfig`` built by hand (its
     ``prefix_cache_retention_interval`` is 0, not dense): the failed-load, dropped-step and
-    copy shapes reach stock there all the same, and the guard reads nothing bad."""
-    workload, stock_bad_reads = UNDER_DEFAULT_RETENTION[layout]
+    copy shapes reach stock there all the same, as many bad reads as with every state
+    retained, and the guard reads nothing bad."""
+    workload = UNDER_DEFAULT_RETENTION[layout]
     sparse = dataclasses.replace(
         workload, spec=dataclasses.replace(workload.spec, retention_interval=0)
     )
     result = run_partial_state_layout(sparse, mode)
     if mode == "stock":
-        assert result.violations == stock_bad_reads, result.examples[:5]
+        dense = run_partial_state_layout(workload, mode)
+        assert result.violations == dense.violations > 0, result.examples[:5]
     else:
         assert result.violations == 0, result.examples[:5]
 
