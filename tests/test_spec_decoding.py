@@ -20,6 +20,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS
+from vllm_prefix_guard.diagnostics.fuzz.differential import run_seed
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     STATE_NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
@@ -39,28 +41,35 @@ def continuation(prompt: list[int], num_tokens: int) -> list[int]:
     return [model.token(position) for position in range(len(prompt), len(prompt) + num_tokens)]
 
 
-def drafted_then_resumed(async_scheduling: bool) -> Driver:
+def drafted_then_resumed(async_scheduling: bool, drafter: str = "ngram") -> Driver:
     """r0 decodes 60 tokens with three drafts a step; then r1, whose prompt is r0's
     prompt and first 40 generated tokens, is admitted on a hit of r0's blocks."""
     scheduler = make_scheduler(
         num_blocks=64,
         mamba_align=True,
         num_speculative_tokens=3,
+        drafter=drafter,
         async_scheduling=async_scheduling,
     )
+    lookahead = getattr(scheduler, "num_hash_lookahead_tokens", 0)
     driver = Driver(scheduler, depth=2 if async_scheduling else 1)
-    driver.add(make_request("r0", PROMPT, max_tokens=DECODED))
+    driver.add(make_request("r0", PROMPT, max_tokens=DECODED, hash_lookahead_tokens=lookahead))
     driver.run()
-    driver.add(make_request("r1", [*PROMPT, *continuation(PROMPT, 40), 999], max_tokens=4))
+    prompt = [*PROMPT, *continuation(PROMPT, 40), 999]
+    driver.add(make_request("r1", prompt, max_tokens=4, hash_lookahead_tokens=lookahead))
     driver.run()
     return driver
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_hit_on_a_boundary_state_left_by_accepted_drafts_is_right(
-    mode: str, async_scheduling: bool
+    mode: str, async_scheduling: bool, drafter: str
 ) -> None:
-    driver = drafted_then_resumed(async_scheduling)
+    """With either drafter (EAGLE: lookahead slots, and the hit's last block dropped or
+    each block hashed with the token after it), r1's hit resumes from a state r0's
+    drafted decode left, and nothing read is bad."""
+    driver = drafted_then_resumed(async_scheduling, drafter)
     (state,) = driver.worker.states
     assert state.boundary_copies > 0  # drafts crossed boundaries and were accepted
     assert state.resumed_from_hits > 0
@@ -100,3 +109,22 @@ def test_the_oracle_follows_the_runner_moving_a_step_back(monkeypatch: pytest.Mo
     monkeypatch.setattr(Driver, "schedule", schedule_without_move_back)
     driver = drafted_then_resumed(async_scheduling=True)
     assert driver.violations > 0
+
+
+#: The soak's EAGLE configurations this test runs on one seed each, and whether stock reads
+#: bad KV there (the attention zombie of ``victim-async``; the hybrid ones on CI's seeds
+#: read nothing bad on stock).
+EAGLE_IN_CI = {"eagle-victim-async": True, "hybrid-eagle-retry-async": False}
+
+
+@pytest.mark.parametrize("name", EAGLE_IN_CI)
+def test_eagle_configurations_read_nothing_bad_under_the_guard(name: str) -> None:
+    """CI's representative of the soak's EAGLE configurations (``eagle-victim-async``,
+    ``hybrid-eagle-victim``, ``hybrid-eagle-retry-async`` and their ``-sparse`` variants):
+    seed 0 of two, stock and guard, with the audit."""
+    runs = run_seed(ALL_CONFIGS[name], 0, ("stock", "guard"))
+    assert (runs["stock"].violations > 0) == EAGLE_IN_CI[name]
+    guard = runs["guard"]
+    assert guard.violations == 0, guard.examples[:5]
+    assert guard.audit is not None
+    assert (guard.audit.valid_rolled_back, guard.audit.invalid_committed) == (0, 0)

@@ -68,9 +68,17 @@ class SchedulerSpec:
     # end inside a state block (``enable_partial_hash_hits``: checkpoints of the state at
     # a hash boundary, copied on write).
     mamba_block_multiple: int = 1
-    # > 0: speculative decoding with this many draft tokens per step (n-gram drafting:
-    # no draft model, no lookahead slots; the shadow worker drafts).
+    # > 0: speculative decoding with this many draft tokens per step (the shadow worker
+    # drafts, whichever drafter the scheduler is configured for).
     num_speculative_tokens: int = 0
+    # The drafter vLLM is configured with: "ngram" (no draft model, no lookahead slots) or
+    # "eagle" (a draft model whose layers join the attention group, vLLM's EAGLE group:
+    # the scheduler allocates lookahead slots for its drafts, and a prefix hit either drops
+    # its last block, which the draft's KV at the block's last token depends past, or
+    # hashes each block with the token after it, vLLM 0.33's default). The draft model's
+    # own KV only changes which drafts are proposed, never an output token (the target
+    # verifies every draft), so the oracle models the target's KV and state only.
+    drafter: Literal["ngram", "eagle"] = "ngram"
     # Which boundary states of sliding-window and state groups stay cached
     # (``--prefix-cache-retention-interval``): None keeps every one (dense: what a
     # ``KVCacheConfig`` built by hand gets, and an engine given an interval at or below the
@@ -138,15 +146,7 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
             kv_load_failure_policy=spec.kv_load_failure_policy,
         )
     if spec.num_speculative_tokens:
-        from vllm.config import SpeculativeConfig
-
-        # vLLM allows async scheduling with GPU-side drafters only.
-        extra["speculative_config"] = SpeculativeConfig(
-            method="ngram_gpu" if spec.async_scheduling else "ngram",
-            num_speculative_tokens=spec.num_speculative_tokens,
-            prompt_lookup_min=1,
-            prompt_lookup_max=spec.num_speculative_tokens,
-        )
+        extra["speculative_config"] = _speculative_config(spec, model_config)
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
@@ -191,20 +191,50 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
     return config
 
 
+def _speculative_config(spec: SchedulerSpec, model_config: Any) -> Any:
+    from vllm.config import SpeculativeConfig
+
+    if spec.drafter == "eagle":
+        from vllm.config import ParallelConfig
+
+        # The tiny Llama drafts for itself (what an engine builds from
+        # ``--speculative-config '{"method": "eagle", "model": ...}'``).
+        return SpeculativeConfig(
+            method="eagle",
+            model=model_config.model,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+    # vLLM allows async scheduling with GPU-side drafters only.
+    return SpeculativeConfig(
+        method="ngram_gpu" if spec.async_scheduling else "ngram",
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=1,
+        prompt_lookup_max=spec.num_speculative_tokens,
+    )
+
+
 def kv_cache_config(spec: SchedulerSpec) -> Any:
     """A full-attention group, plus the sliding-window or Mamba group ``spec`` asks for,
     with no tensors."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    groups = [
-        KVCacheGroupSpec(
-            ["layer.0"],
-            FullAttentionSpec(
-                block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-            ),
-        )
-    ]
+    attention = KVCacheGroupSpec(
+        ["layer.0"],
+        FullAttentionSpec(
+            block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        ),
+    )
+    # The draft model's layers are in this group, and vLLM marks it as the EAGLE group.
+    if (
+        spec.num_speculative_tokens
+        and spec.drafter == "eagle"
+        and hasattr(attention, "is_eagle_group")
+    ):
+        attention.is_eagle_group = True
+    groups = [attention]
     if spec.sliding_window:
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -292,8 +322,13 @@ def make_request(
     max_tokens: int = 8,
     priority: int = 0,
     arrival_time: float | None = None,
+    hash_lookahead_tokens: int = 0,
 ) -> Any:
-    """A vLLM ``Request`` with a block hasher, ignoring EOS so lengths are exact."""
+    """A vLLM ``Request`` with a block hasher, ignoring EOS so lengths are exact.
+
+    ``hash_lookahead_tokens``: the scheduler's ``num_hash_lookahead_tokens`` (vLLM 0.33+
+    with an EAGLE drafter: each block's hash covers the tokens after it), which an engine
+    passes to the hasher it gives every request."""
     global _hash_ready
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -304,6 +339,8 @@ def make_request(
         init_none_hash(sha256)
         _hash_ready = True
     kwargs: dict[str, Any] = {}
+    # Passed only when set: a vLLM before 0.33 has neither the argument nor the lookahead.
+    lookahead = (hash_lookahead_tokens,) if hash_lookahead_tokens else ()
     if arrival_time is not None:
         kwargs["arrival_time"] = arrival_time
     return Request(
@@ -312,6 +349,6 @@ def make_request(
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
         priority=priority,
-        block_hasher=get_request_block_hasher(block_size, sha256),
+        block_hasher=get_request_block_hasher(block_size, sha256, *lookahead),
         **kwargs,
     )

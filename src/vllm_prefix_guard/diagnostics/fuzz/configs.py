@@ -373,6 +373,23 @@ def _with_drafts(config: FuzzConfig, name: str) -> FuzzConfig:
     )
 
 
+def _with_eagle(config: FuzzConfig, name: str) -> FuzzConfig:
+    """``config`` with an EAGLE drafter: two draft tokens per decode step, and the draft
+    model's layers in the attention group. vLLM allocates lookahead slots for the drafts,
+    and a prefix hit drops its last block (vLLM 0.30-0.32: the draft's KV at a block's last
+    token depends on the token after it) or each block is hashed with the token after it
+    (0.33), so entries of a decoding request's last block appear only in
+    ``update_from_output``, once that token is sampled. Drafts are verified as with
+    n-gram drafting (the shadow worker drafts); the draft model's own KV only changes which
+    drafts are proposed, so the oracle checks the target's KV and state."""
+    return dataclasses.replace(
+        config,
+        name=name,
+        description=f"as {config.name}, with an EAGLE drafter (two draft tokens a step)",
+        spec=dataclasses.replace(config.spec, num_speculative_tokens=2, drafter="eagle"),
+    )
+
+
 def _with_partial_state_hits(config: FuzzConfig) -> FuzzConfig:
     """``config`` with a state block of four attention blocks: the scheduler steps in
     state blocks and hashes in attention blocks, so a prefix hit can end inside a state
@@ -407,6 +424,16 @@ _DRAFTED = {
     )
 }
 CONFIGS["hybrid-spec-retry-async"] = _DRAFTED["hybrid-spec-retry-async"]
+#: An EAGLE drafter (the soak; CI: tests/test_spec_decoding.py): on attention only, and on a
+#: hybrid model sync and async.
+_EAGLE = {
+    name: _with_eagle(CONFIGS[base], name)
+    for name, base in (
+        ("eagle-victim-async", "victim-async"),
+        ("hybrid-eagle-victim", "hybrid-victim"),
+        ("hybrid-eagle-retry-async", "hybrid-retry-async"),
+    )
+}
 
 
 def _with_engine_retention(config: FuzzConfig, targeted: bool = False) -> FuzzConfig:
@@ -450,6 +477,12 @@ SOAK_ONLY: dict[str, FuzzConfig] = {
         )
         for name, config in _DRAFTED.items()
         if name not in CONFIGS
+    },
+    **{
+        name: dataclasses.replace(
+            config, description=f"{config.description} (CI: tests/test_spec_decoding.py)"
+        )
+        for name, config in _EAGLE.items()
     },
     # Stock reads nothing bad on CI's seeds of it; the soak's finding is a layout.
     "hybrid-partial-kv-load-async": dataclasses.replace(

@@ -279,6 +279,7 @@ def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int)
         max_tokens=event.max_tokens,
         priority=event.priority,
         arrival_time=float(arrival),
+        hash_lookahead_tokens=getattr(driver.scheduler, "num_hash_lookahead_tokens", 0),
     )
     connector = driver.scheduler.connector
     if connector is not None:
