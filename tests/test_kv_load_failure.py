@@ -24,7 +24,12 @@ from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Reset, Workload
-from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, WRONG_CONTENT, Driver
+from vllm_prefix_guard.diagnostics.shadow_kv import (
+    NEVER_WRITTEN,
+    OUTPUT_OVER_BAD_KV,
+    WRONG_CONTENT,
+    Driver,
+)
 from vllm_prefix_guard.hooks import guard_of
 
 PROMPT = FAILED_LOAD_PROMPT
@@ -126,6 +131,38 @@ def test_reader_preempted_before_the_failure_is_reported(mode: str) -> None:
         assert result.wrong_content > 0
     else:
         assert result.never_written == result.wrong_content == 0
+
+
+def test_loader_resumed_on_its_own_failed_load_has_its_output_dropped(mode: str) -> None:
+    """The soak's finding (``everything-async``, vLLM 0.32, seeds 2, 6 and 7 at the soak's
+    horizon), built by hand: r's sync load fails in step 0; before its report, a reset of
+    the running requests preempts r (the cache itself stays: a step is in flight), and r
+    resumes at once, in step 1, on a prefix-cache hit of its own load's entries. vLLM
+    then truncates r as the loader, but the token step 1 sampled over the failed KV is
+    delivered (stock, and the guard before: it took r for the loader only). The guard now
+    judges a loader admitted afresh in a later step as a reader there: preempted, that
+    output dropped. Stock 0.30-0.33 deliver it."""
+    workload = Workload(
+        spec=shrunk_async_priority(kv_load_failure_policy="recompute"),
+        depth=2,
+        events=(
+            Arrive(
+                0,
+                "r",
+                prompt=((1000, 32), (5000, 144), (6000, 3)),
+                max_tokens=1,
+                external_tokens=176,
+                fail_load=True,
+            ),
+            Reset(1),
+        ),
+    )
+    result = run_workload(workload, "stock" if mode == "native" else mode)
+    if mode == "stock":
+        assert result.examples == [(1, "r", -1, -1, OUTPUT_OVER_BAD_KV)]
+    else:
+        assert result.violations == 0, result.examples[:5]
+        assert result.dependents_preempted == 1
 
 
 def test_reader_keeps_blocks_it_loaded_itself(guard: None) -> None:

@@ -189,6 +189,10 @@ class FailedKVLoads:
         # Reader -> the record of its admission, which keeps the entries it had
         # loaded or written before it read bad KV.
         kept: dict[str, StepCacheEntries] = {}
+        # Loaders admitted afresh in a later step (preempted, say by a reset, and
+        # resumed at once on their own load's entries): a reader there, whose output
+        # of that step vLLM's truncation of the loader leaves deliverable.
+        readmitted: set[str] = set()
         for index, (output, entries) in enumerate(steps):
             self.index = index
             # The step's block copies ran before its forward pass: from what was bad
@@ -198,6 +202,8 @@ class FailedKVLoads:
             admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
             for req_id, block_ids, num_computed_tokens in admissions(output):
                 if index or req_id not in loaders:
+                    if req_id in loaders:
+                        readmitted.add(req_id)
                     admitted[req_id] = (block_ids, num_computed_tokens)
                     tainted.discard(req_id)  # Admitted afresh: judged below.
                     kept.pop(req_id, None)
@@ -218,7 +224,7 @@ class FailedKVLoads:
             self._remove_readers(entries, admitted, tainted, kept, copied_from)
             if index:
                 self._note_rewritten(output, entries, copied_from)
-        self.readers = tainted - loaders
+        self.readers = tainted - (loaders - readmitted)
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 
     def reads_bad_kv(self, request: Request) -> bool:

@@ -260,3 +260,45 @@ def test_reader_admitted_on_failed_load_recomputes():
     assert reader.status == RequestStatus.PREEMPTED
     scheduler.update_from_output(following, model_runner_output(following, requests))
     assert num_hit_tokens(scheduler, reader) == 0
+
+
+def test_loader_resumed_on_its_own_failed_load_recomputes():
+    """#26813, async: a reset of the running requests preempts the loader while the
+    step of its load is in flight, then fails to reset the cache (its blocks are in
+    use), and the loader resumes at once on a hit of its own loaded blocks. When the
+    load fails, vLLM truncates the loader, but the token its resuming step sampled
+    over the failed KV would still reach the client; it is preempted to recompute,
+    with that output dropped."""
+    loader = create_request(num_tokens=NUM_PROMPT_TOKENS, max_tokens=4)
+    scheduler = create_loading_scheduler(loader, "recompute", async_scheduling=True)
+    scheduler.add_request(loader)
+    failing = scheduler.schedule()
+    # As a connector does: only what the prefix cache does not hold.
+    scheduler.connector.get_num_new_matched_tokens.side_effect = (
+        lambda request, num_computed_tokens: (
+            max(0, NUM_LOADED_TOKENS - num_computed_tokens),
+            False,
+        )
+    )
+    with pytest.raises(RuntimeError, match="Failed to reset KV cache"):
+        scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert loader.status == RequestStatus.PREEMPTED
+    resuming = scheduler.schedule()
+    assert loader.request_id in resuming.scheduled_cached_reqs.resumed_req_ids
+    assert num_hit_tokens(scheduler, loader) >= NUM_LOADED_TOKENS  # Its own load.
+    invalid_block_ids = loaded_block_ids(failing, loader)
+    scheduler.update_from_output(
+        failing, model_runner_output(failing, [loader], invalid_block_ids)
+    )
+    assert loader.status == RequestStatus.PREEMPTED
+    outputs = scheduler.update_from_output(
+        resuming, model_runner_output(resuming, [loader])
+    )
+    delivered = [
+        output.new_token_ids
+        for client_outputs in outputs.values()
+        for output in client_outputs.outputs
+        if output.request_id == loader.request_id
+    ]
+    assert not any(delivered)
+    assert num_hit_tokens(scheduler, loader) == 0
