@@ -162,6 +162,7 @@ def test_loader_resumed_on_its_own_failed_load_has_its_output_dropped(mode: str)
         assert result.examples == [(1, "r", -1, -1, OUTPUT_OVER_BAD_KV)]
     else:
         assert result.violations == 0, result.examples[:5]
+    if mode == "guard":  # the guard's counter (vLLM's own fix keeps none)
         assert result.dependents_preempted == 1
 
 
