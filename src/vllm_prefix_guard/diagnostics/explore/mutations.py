@@ -89,12 +89,15 @@ class KeptEntriesStay(FailedKVLoads):
         loaders = self._remove_loaders(*steps[0], invalid_block_ids, loader_req_ids)
         tainted = set(loaders)
         kept: dict[str, StepCacheEntries] = {}
+        readmitted: set[str] = set()
         for index, (output, entries) in enumerate(steps):
             self.index = index
             copied_from = self._copied_from_bad(output) if index else {}
             admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
             for req_id, block_ids, num_computed_tokens in admissions(output):
                 if index or req_id not in loaders:
+                    if req_id in loaders:
+                        readmitted.add(req_id)
                     admitted[req_id] = (block_ids, num_computed_tokens)
                     tainted.discard(req_id)
                     kept.pop(req_id, None)
@@ -107,7 +110,7 @@ class KeptEntriesStay(FailedKVLoads):
             self._remove_readers(entries, admitted, tainted, kept, copied_from)
             if index:
                 self._note_rewritten(output, entries, copied_from)
-        self.readers = tainted - loaders
+        self.readers = tainted - (loaders - readmitted)
         self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
 
 
