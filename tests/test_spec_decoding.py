@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.factory import (
+    hash_lookahead_tokens,
+    make_request,
+    make_scheduler,
+)
 from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.differential import run_seed
 from vllm_prefix_guard.diagnostics.shadow_kv import (
@@ -51,7 +55,7 @@ def drafted_then_resumed(async_scheduling: bool, drafter: str = "ngram") -> Driv
         drafter=drafter,
         async_scheduling=async_scheduling,
     )
-    lookahead = getattr(scheduler, "num_hash_lookahead_tokens", 0)
+    lookahead = hash_lookahead_tokens(scheduler)
     driver = Driver(scheduler, depth=2 if async_scheduling else 1)
     driver.add(make_request("r0", PROMPT, max_tokens=DECODED, hash_lookahead_tokens=lookahead))
     driver.run()

@@ -315,6 +315,12 @@ def make_scheduler(
 _hash_ready = False
 
 
+def hash_lookahead_tokens(scheduler: Any) -> int:
+    """The tokens after each block that ``scheduler``'s block hashes cover (vLLM 0.33+ with
+    an EAGLE drafter; 0 where vLLM has no lookahead): what :func:`make_request` takes."""
+    return int(getattr(scheduler, "num_hash_lookahead_tokens", 0))
+
+
 def make_request(
     request_id: str,
     prompt_token_ids: list[int],

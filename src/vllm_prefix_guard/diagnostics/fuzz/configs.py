@@ -385,7 +385,8 @@ def _with_eagle(config: FuzzConfig, name: str) -> FuzzConfig:
     return dataclasses.replace(
         config,
         name=name,
-        description=f"as {config.name}, with an EAGLE drafter (two draft tokens a step)",
+        description=f"as {config.name}, with an EAGLE drafter (two draft tokens a step) (CI: "
+        "tests/test_spec_decoding.py)",
         spec=dataclasses.replace(config.spec, num_speculative_tokens=2, drafter="eagle"),
     )
 
@@ -424,8 +425,7 @@ _DRAFTED = {
     )
 }
 CONFIGS["hybrid-spec-retry-async"] = _DRAFTED["hybrid-spec-retry-async"]
-#: An EAGLE drafter (the soak; CI: tests/test_spec_decoding.py): on attention only, and on a
-#: hybrid model sync and async.
+#: An EAGLE drafter, soak-only: on attention only, and on a hybrid model sync and async.
 _EAGLE = {
     name: _with_eagle(CONFIGS[base], name)
     for name, base in (
@@ -478,12 +478,7 @@ SOAK_ONLY: dict[str, FuzzConfig] = {
         for name, config in _DRAFTED.items()
         if name not in CONFIGS
     },
-    **{
-        name: dataclasses.replace(
-            config, description=f"{config.description} (CI: tests/test_spec_decoding.py)"
-        )
-        for name, config in _EAGLE.items()
-    },
+    **_EAGLE,
     # Stock reads nothing bad on CI's seeds of it; the soak's finding is a layout.
     "hybrid-partial-kv-load-async": dataclasses.replace(
         _PARTIAL_LOADS,

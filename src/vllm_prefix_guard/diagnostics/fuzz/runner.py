@@ -33,7 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.factory import (
+    hash_lookahead_tokens,
+    make_request,
+    make_scheduler,
+)
 from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts, IdealPolicy, RollbackAudit
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
@@ -279,7 +283,7 @@ def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int)
         max_tokens=event.max_tokens,
         priority=event.priority,
         arrival_time=float(arrival),
-        hash_lookahead_tokens=getattr(driver.scheduler, "num_hash_lookahead_tokens", 0),
+        hash_lookahead_tokens=hash_lookahead_tokens(driver.scheduler),
     )
     connector = driver.scheduler.connector
     if connector is not None:
