@@ -17,7 +17,13 @@ from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 #: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]
 
-CAUGHT = ("stock", "no-reader-rollback", "no-dropped-step-rollback", "no-recomputed-kept-rollback")
+CAUGHT = (
+    "stock",
+    "no-reader-rollback",
+    "no-dropped-step-rollback",
+    "no-recomputed-kept-rollback",
+    "no-readmitted-reader",
+)
 #: The only scope with vLLM's deferred block free off.
 CAUGHT_UNFENCED = "async-priority-unfenced"
 

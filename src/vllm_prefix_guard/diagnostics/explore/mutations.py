@@ -120,6 +120,29 @@ class WithoutRecomputedKeptRollback(OtherFailedLoadWalk):
     walk_class = KeptEntriesStay
 
 
+class ReadmittedLoadersStayLoaders(FailedKVLoads):
+    """No loader admitted afresh in a later step is judged a reader there: a loader
+    preempted (by a reset of the running requests) before its failed load's report, and
+    resumed at once on its own load's entries, is taken for the loader only, and vLLM's
+    truncation of the loader leaves the token that step sampled over the failed KV
+    deliverable (the ``everything-async`` seed-2 soak finding)."""
+
+    def walk(
+        self,
+        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
+        invalid_block_ids: set[int],
+        loader_req_ids: Collection[str] | None = None,
+    ) -> None:
+        super().walk(steps, invalid_block_ids, loader_req_ids)
+        self.readers -= self.loaders.keys()
+
+
+class WithoutReadmittedReaders(OtherFailedLoadWalk):
+    """The guard, minus the seed-2 rule (see :class:`ReadmittedLoadersStayLoaders`)."""
+
+    walk_class = ReadmittedLoadersStayLoaders
+
+
 RulesFactory = Callable[[Any], UncommittedPrefixCache]
 
 #: Mutation name -> the rules it runs instead of the guard's.
@@ -127,6 +150,7 @@ MUTATIONS: dict[str, RulesFactory] = {
     "no-reader-rollback": WithoutReaderRollback,
     "no-dropped-step-rollback": WithoutDroppedStepRollback,
     "no-recomputed-kept-rollback": WithoutRecomputedKeptRollback,
+    "no-readmitted-reader": WithoutReadmittedReaders,
 }
 
 #: What each mutation (and stock, for the zombie) must be caught on: a small scope.
@@ -137,4 +161,5 @@ MUTATION_SCOPES: dict[str, str] = {
     # The seed-17 window opens only where blocks of a step in flight are freed at once
     # (vLLM's deferred free off): see that scope's description.
     "no-recomputed-kept-rollback": "async-priority-unfenced",
+    "no-readmitted-reader": "async-reset-loader",
 }

@@ -294,6 +294,25 @@ SCOPES: dict[str, Scope] = {
             unfenced_frees=True,
         ),
         Scope(
+            "async-reset-loader",
+            "async FCFS, two steps in flight: a loader whose load fails on any subset of its "
+            "blocks, reset (preempting the running requests; the cache stays, its step is in "
+            "flight) before the failure's report, so it can resume at once on its own load's "
+            "entries (the everything-async seed-2 soak finding's window, policy recompute), "
+            "and a second request on the loaded prefix",
+            requests=(
+                RequestSpec(((100, 4), (200, 4), (300, 1)), 2, external_tokens=8),
+                RequestSpec(((100, 4), (200, 4), (400, 2)), 1),
+            ),
+            num_blocks=12,
+            long_prefill_token_threshold=8,
+            async_scheduling=True,
+            kv_load_failure_policy="recompute",
+            horizon=2,
+            arrivals="fixed",
+            resets=True,
+        ),
+        Scope(
             "hybrid-priority",
             "a hybrid model (full attention + a Mamba state group in align mode), sync "
             "priority: the zombie layout, two arrivals a step in order, aborts",
