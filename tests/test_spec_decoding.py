@@ -13,19 +13,27 @@ Here a request decodes across boundaries with three drafts a step, and a second 
 whose prompt is the first's prompt and output resumes from a boundary state that only a
 drafted step wrote: the hit is right, stock and guard. The oracle has teeth: without the
 boundary copy, or (async) without the runner's move back, it sees wrong state.
+
+Last, the soak's stock finding with an EAGLE drafter, shrunk: the priority-preemption
+zombie on the prompt checkpoint EAGLE moves one block back (vLLM 0.30-0.32).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vllm_prefix_guard.diagnostics.factory import (
+    SchedulerSpec,
     hash_lookahead_tokens,
     make_request,
     make_scheduler,
 )
 from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.differential import run_seed
+from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     STATE_NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
@@ -132,3 +140,66 @@ def test_eagle_configurations_read_nothing_bad_under_the_guard(name: str) -> Non
     assert guard.violations == 0, guard.examples[:5]
     assert guard.audit is not None
     assert (guard.audit.valid_rolled_back, guard.audit.invalid_committed) == (0, 0)
+
+
+#: The soak's stock finding on ``hybrid-eagle-retry-async`` (vLLM 0.32, seed 0 at the soak's
+#: horizon), shrunk. With an EAGLE drafter, vLLM 0.30-0.32 drop a prefix hit's last block, so
+#: the state a prompt leaves for later hits sits one block further back
+#: (``get_mamba_prefill_checkpoint_position``): for r4's 226-token prompt at 208, and
+#: ``_mamba_block_aligned_split`` ends a prefill chunk there. In iteration 7 r4 (priority 1)
+#: is given its chunk to 208, its state block registered for the 208-token hash at
+#: allocation (block 4, r0's old checkpoint, evicted), then preempted in the same
+#: ``schedule()`` for r5 (its twin, priority 0): the entry outlives the free. r5's own
+#: chunk to 208 registers a second block under that key; r4 resumes at iteration 8 on the
+#: first, a state block nobody wrote since r0. The state zombie of ``hybrid-victim``,
+#: reached here only with the drafter: the same arrivals without it read nothing bad.
+EAGLE_CHECKPOINT_ZOMBIE = Workload(
+    spec=SchedulerSpec(
+        num_blocks=48,
+        max_model_len=4096,
+        policy="priority",
+        long_prefill_token_threshold=64,
+        async_scheduling=True,
+        kv_events=True,
+        mamba_align=True,
+        num_speculative_tokens=2,
+        drafter="eagle",
+    ),
+    depth=2,
+    events=(
+        Arrive(0, "r0", prompt=((1000, 32), (2000, 16)), max_tokens=3),
+        Arrive(0, "r1", prompt=((1000, 32), (3000, 24)), max_tokens=1),
+        Arrive(1, "r2", prompt=((1000, 32), (4000, 113), (5000, 74)), max_tokens=4, priority=1),
+        Arrive(1, "r3", prompt=((1000, 32), (6000, 85)), max_tokens=6),
+        Arrive(2, "r4", prompt=((1000, 32), (7000, 194)), max_tokens=1, priority=1),
+        Arrive(6, "r5", prompt=((1000, 32), (7000, 194)), max_tokens=1),
+    ),
+)
+
+
+def test_no_resume_from_a_zombie_checkpoint_an_eagle_drafter_moved_back(mode: str) -> None:
+    """Stock resumes r4 from a state block nobody wrote (vLLM 0.30-0.32, whose EAGLE hits
+    drop their last block; 0.33 hashes each block with the token after it instead, and
+    schedules these arrivals otherwise); the guard rolls the entry back with the
+    preemption and r4 recomputes."""
+    result = run_workload(EAGLE_CHECKPOINT_ZOMBIE, "stock" if mode == "native" else mode)
+    if mode != "stock":
+        assert result.violations == 0, result.examples[:5]
+        return
+    if hash_lookahead_tokens(make_scheduler(EAGLE_CHECKPOINT_ZOMBIE.spec)) > 0:
+        assert result.violations == 0, result.examples[:5]
+        return
+    assert (result.violations, result.bad_state_reads) == (1, 1)
+    assert result.examples == [(8, "r4", 208, 4, STATE_WRONG_CONTENT)]
+
+
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_the_eagle_checkpoint_zombie_needs_the_eagle_drafter(drafts: int) -> None:
+    """The same arrivals without a drafter, or with two n-gram drafts a step (lookahead
+    slots, no dropped block): the prompt's checkpoint is its last full block, the schedule
+    differs, and stock reads nothing bad."""
+    spec = dataclasses.replace(
+        EAGLE_CHECKPOINT_ZOMBIE.spec, num_speculative_tokens=drafts, drafter="ngram"
+    )
+    workload = dataclasses.replace(EAGLE_CHECKPOINT_ZOMBIE, spec=spec)
+    assert run_workload(workload, "stock").violations == 0
