@@ -24,8 +24,8 @@ import dataclasses
 
 import pytest
 
+from layouts import HYBRID_WRONG_STATE_0_33
 from vllm_prefix_guard.diagnostics.factory import (
-    SchedulerSpec,
     hash_lookahead_tokens,
     make_request,
     make_scheduler,
@@ -154,14 +154,10 @@ def test_eagle_configurations_read_nothing_bad_under_the_guard(name: str) -> Non
 #: first, a state block nobody wrote since r0. The state zombie of ``hybrid-victim``,
 #: reached here only with the drafter: the same arrivals without it read nothing bad.
 EAGLE_CHECKPOINT_ZOMBIE = Workload(
-    spec=SchedulerSpec(
+    spec=dataclasses.replace(
+        HYBRID_WRONG_STATE_0_33.spec,
         num_blocks=48,
-        max_model_len=4096,
-        policy="priority",
-        long_prefill_token_threshold=64,
         async_scheduling=True,
-        kv_events=True,
-        mamba_align=True,
         num_speculative_tokens=2,
         drafter="eagle",
     ),

@@ -19,10 +19,9 @@ from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
 
-class ReadersKeepBadKV(FailedKVLoads):
-    """No reader of a failed load is preempted: requests that hit a block whose load
-    failed (or KV computed over it) keep it as computed (vLLM truncates only the first
-    holder of an invalid block)."""
+class OtherReaders(FailedKVLoads):
+    """The rules' failed-load walk, then other requests judged readers of bad KV (those
+    the guard preempts): what a mutation of that judgement returns."""
 
     def walk(
         self,
@@ -31,7 +30,19 @@ class ReadersKeepBadKV(FailedKVLoads):
         loader_req_ids: Collection[str] | None = None,
     ) -> None:
         super().walk(steps, invalid_block_ids, loader_req_ids)
-        self.readers = set()
+        self.readers = self.mutated_readers()
+
+    def mutated_readers(self) -> set[str]:
+        raise NotImplementedError
+
+
+class ReadersKeepBadKV(OtherReaders):
+    """No reader of a failed load is preempted: requests that hit a block whose load
+    failed (or KV computed over it) keep it as computed (vLLM truncates only the first
+    holder of an invalid block)."""
+
+    def mutated_readers(self) -> set[str]:
+        return set()
 
 
 class OtherFailedLoadWalk(UncommittedPrefixCache):
@@ -120,21 +131,15 @@ class WithoutRecomputedKeptRollback(OtherFailedLoadWalk):
     walk_class = KeptEntriesStay
 
 
-class ReadmittedLoadersStayLoaders(FailedKVLoads):
+class ReadmittedLoadersStayLoaders(OtherReaders):
     """No loader admitted afresh in a later step is judged a reader there: a loader
     preempted (by a reset of the running requests) before its failed load's report, and
     resumed at once on its own load's entries, is taken for the loader only, and vLLM's
     truncation of the loader leaves the token that step sampled over the failed KV
     deliverable (the ``everything-async`` seed-2 soak finding)."""
 
-    def walk(
-        self,
-        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
-        invalid_block_ids: set[int],
-        loader_req_ids: Collection[str] | None = None,
-    ) -> None:
-        super().walk(steps, invalid_block_ids, loader_req_ids)
-        self.readers -= self.loaders.keys()
+    def mutated_readers(self) -> set[str]:
+        return self.readers - self.loaders.keys()
 
 
 class WithoutReadmittedReaders(OtherFailedLoadWalk):
