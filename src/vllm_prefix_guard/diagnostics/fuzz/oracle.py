@@ -131,9 +131,10 @@ class MeteredDriver(Driver):
                 self.events.check()
             return result
         finally:
-            # The oracle does not check every read (e.g. of a request whose load failed);
-            # forget them all, so a later read reusing an id is not taken for one.
-            for read in plan.reads:
+            # The oracle does not check every read (e.g. of a request whose load failed,
+            # or one the worker left out of the step: ``plan.dropped``); forget them all, so
+            # a later read reusing an id is not taken for one.
+            for read in (*plan.reads, *plan.dropped):
                 self.fuzz_kv.admission_reads.pop(id(read), None)
 
     def _observe(self, plan: StepPlan) -> None:
