@@ -51,8 +51,15 @@ def install_commands(version: str) -> list[list[str]] | None:
         return None
     # --no-cache-dir: pip would otherwise keep a second copy of every wheel it downloads
     # (0.33's GPU wheel and its CUDA libraries among them) on the disk the venvs need.
-    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    pip.append("--no-cache-dir")
+    pip = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+    ]
     return [
         [sys.executable, "-m", "venv", "--clear", str(venv)],
         [*pip, "--upgrade", "pip"],
