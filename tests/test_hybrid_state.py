@@ -14,6 +14,7 @@ output leaves out is rolled back as a failed KV load.
 from __future__ import annotations
 
 import dataclasses
+from functools import wraps
 from typing import Any
 
 import pytest
@@ -452,3 +453,39 @@ def test_a_block_copy_carries_the_state_it_holds() -> None:
     state.held[6] = 222
     state.copy(4, 6)
     assert 6 not in state.held
+
+
+def test_states_published_after_the_output_are_judged_both_ways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34 also calls ``cache_blocks`` from ``update_from_output`` on a hybrid model
+    under sync scheduling ("publish finalized states"), with no step open: the guard takes
+    what it registers as written (that step's output is back). ``hybrid-victim`` seed 0
+    reaches that call in both modes, and neither reads a bad state there (where the
+    release has no such call, nothing is reached and the test says so)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    calls = {"inside": False, "count": 0}
+    update, cache_blocks = Scheduler.update_from_output, KVCacheManager.cache_blocks
+
+    def counting_update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["inside"] = True
+        try:
+            return update(self, *args, **kwargs)
+        finally:
+            calls["inside"] = False
+
+    def counting_cache_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["count"] += calls["inside"]
+        return cache_blocks(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", wraps(update)(counting_update))
+    monkeypatch.setattr(KVCacheManager, "cache_blocks", wraps(cache_blocks)(counting_cache_blocks))
+    workload = CONFIGS["hybrid-victim"].workload(0)
+    for mode in ("stock", "guard"):
+        calls["count"] = 0
+        result = run_workload(workload, mode)
+        if not calls["count"]:
+            pytest.skip("this vLLM publishes no state from update_from_output when sync")
+        assert result.bad_state_reads == result.violations == 0, (mode, result)

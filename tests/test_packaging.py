@@ -44,6 +44,7 @@ DIAGNOSTICS = {
     "diagnostics/connector",
     "diagnostics/factory",
     "diagnostics/kv_events",
+    "diagnostics/pool_index",
     "diagnostics/records",
     "diagnostics/selftest",
     "diagnostics/shadow_kv",

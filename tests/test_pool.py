@@ -9,12 +9,14 @@ hashed and hittable.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
 
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
+from vllm_prefix_guard.diagnostics.pool_index import keys_cached_twice
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.errors import GuardUnsupportedError
 from vllm_prefix_guard.hooks import guard_of
@@ -34,11 +36,9 @@ def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
         driver.add(make_request(name, list(range(1, 17)), max_tokens=24))
     driver.run()
     pool = scheduler.kv_cache_manager.block_pool
-    key, siblings = next(
-        (k, v) for k, v in pool.cached_block_hash_to_block._cache.items() if isinstance(v, dict)
-    )
+    key, siblings = next(iter(keys_cached_twice(pool).items()))
     assert driver.violations == 0
-    return scheduler, key, list(siblings.values()), driver.worker.models["x"].tokens[:32]
+    return scheduler, key, siblings, driver.worker.models["x"].tokens[:32]
 
 
 def guarded_pool(kv_events: bool = False) -> tuple[Any, UncommittedPrefixCache]:
@@ -194,8 +194,10 @@ def test_graft_is_idempotent_and_preserves_identity(guard: None) -> None:
     assert type(pool).__mro__[1] is PrefixGuardPool
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     assert all(m.block_pool is pool for m in managers)
-    # vLLM's own pool was moved into the guarded class when assigned: its blocks follow.
-    assert all(block.pool is pool for block in pool.blocks)
+    # vLLM's own pool was moved into the guarded class when assigned: its blocks follow
+    # (vLLM 0.34 holds the pool in a weak reference).
+    owners = [b.pool() if isinstance(b.pool, weakref.ref) else b.pool for b in pool.blocks]
+    assert all(owner is pool for owner in owners)
 
 
 def test_graft_refuses_a_pool_without_the_needed_internals() -> None:

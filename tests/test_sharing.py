@@ -13,6 +13,7 @@ from __future__ import annotations
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard.rules.failed_kv_loads import resumed_req_ids
 
 
 def first_step(prompt_len: int, copies: int) -> tuple[dict[str, int], int]:
@@ -64,7 +65,7 @@ def test_no_lookup_follows_a_preemption_in_the_same_step() -> None:
         output = driver.schedule()
         if output.preempted_req_ids:
             preempting_steps += 1
-            resumed = output.scheduled_cached_reqs.resumed_req_ids
+            resumed = resumed_req_ids(output.scheduled_cached_reqs)
             assert not output.scheduled_new_reqs and not resumed, output
         driver.complete()
     assert preempting_steps > 0 and driver.violations == 0

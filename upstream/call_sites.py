@@ -393,7 +393,7 @@ NOT_COMPUTED: tuple[Edit, ...] = (
         if self.uncommitted_prefix_cache is not None:
             # Requests the output leaves out were not computed.
             not_computed = self.uncommitted_prefix_cache.gather_not_computed(
-                scheduler_output, model_runner_output.req_id_to_index
+                scheduler_output, model_runner_output.req_ids
             )
             if not_computed:
                 left_out = self._roll_back_bad_kv(

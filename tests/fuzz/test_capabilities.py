@@ -13,6 +13,7 @@ from vllm_prefix_guard.diagnostics.fuzz.capabilities import (
     async_loads_stall,
     failed_loads_unreported,
     partial_state_hits_unsound,
+    scheduler_features_missing,
 )
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
@@ -38,7 +39,7 @@ def test_configurations_run_where_what_they_rely_on_is_sound() -> None:
     partial = {c.name for c in CONFIGS.values() if c.spec.mamba_block_multiple > 1}
     assert {"kv-load-async", "hybrid-kv-load-async"} <= asynchronous and partial
     for config in CONFIGS.values():
-        reasons = []
+        reasons = [scheduler_features_missing(config.spec)]
         if config.name in asynchronous:
             if config.fails_kv_loads:
                 reasons.append(failed_loads_unreported())

@@ -112,6 +112,12 @@ class FakeLoadConnector(KVConnectorBase_V1, SupportsHMA):
         matched = max(0, self._matched_end(request) - num_computed_tokens)
         return matched, matched > 0 and request.request_id in self.async_loads
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): whether ``request`` may load
+        asynchronously, so that it waits in the queue of loads that can start while the
+        batch is full."""
+        return request.request_id in self.async_loads
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return

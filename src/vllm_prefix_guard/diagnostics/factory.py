@@ -86,7 +86,12 @@ class SchedulerSpec:
     # replay boundary, shared-prefix junctions): the other chunk ends' states are
     # transient, their checkpoints re-keyed or dropped in the step that made them.
     retention_interval: int | None = None
-    # Any other SchedulerConfig field, passed through.
+    # Requests carry their prompt's block hashes as a frontend computes them (vLLM 0.34:
+    # ``EngineCoreRequest.block_hashes``, which the engine takes instead of hashing the
+    # prompt itself); the engine's hasher continues from there.
+    frontend_block_hashes: bool = False
+    # Any other SchedulerConfig field, passed through (vLLM 0.34's
+    # ``max_num_inflight_kv_loads``, ``cache_aware_admission_window``, ...).
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -312,6 +317,19 @@ def make_scheduler(
     return scheduler
 
 
+def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
+    """A ``ModelRunnerOutput`` listing ``req_ids`` in batch order, as a runner returns it.
+
+    vLLM 0.30-0.33 also take the index of each (``req_id_to_index``); 0.34 finds a
+    request's output by its position in ``req_ids``.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
 _hash_ready = False
 
 
@@ -329,12 +347,15 @@ def make_request(
     priority: int = 0,
     arrival_time: float | None = None,
     hash_lookahead_tokens: int = 0,
+    frontend_block_hashes: bool = False,
 ) -> Any:
     """A vLLM ``Request`` with a block hasher, ignoring EOS so lengths are exact.
 
     ``hash_lookahead_tokens``: the scheduler's ``num_hash_lookahead_tokens`` (vLLM 0.33+
     with an EAGLE drafter: each block's hash covers the tokens after it), which an engine
-    passes to the hasher it gives every request."""
+    passes to the hasher it gives every request. ``frontend_block_hashes``: the prompt's
+    block hashes come with the request, as :func:`prompt_block_hashes` computes them
+    (vLLM 0.34)."""
     global _hash_ready
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -349,6 +370,10 @@ def make_request(
     lookahead = (hash_lookahead_tokens,) if hash_lookahead_tokens else ()
     if arrival_time is not None:
         kwargs["arrival_time"] = arrival_time
+    if frontend_block_hashes:
+        kwargs["block_hashes"] = prompt_block_hashes(
+            list(prompt_token_ids), block_size, hash_lookahead_tokens
+        )
     return Request(
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids),
@@ -358,3 +383,30 @@ def make_request(
         block_hasher=get_request_block_hasher(block_size, sha256, *lookahead),
         **kwargs,
     )
+
+
+def prompt_block_hashes(
+    prompt_token_ids: list[int], block_size: int, hash_lookahead_tokens: int = 0
+) -> list[Any] | None:
+    """A prompt's block hashes as a frontend computes them from the engine's
+    ``PrefixHashConfig`` (vLLM 0.34), from the tokens alone, then taken or refused by the
+    engine's own check (``kv_cache_utils.frontend_block_hashes``: None when their count
+    does not match the prompt, and the engine hashes it)."""
+    from types import SimpleNamespace
+
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import PrefixHashConfig
+
+    assert not hash_lookahead_tokens, "a frontend hash with lookahead tokens is not modelled"
+    config = PrefixHashConfig(
+        hash_algo="sha256", hash_block_size=block_size, none_hash=kv_cache_utils.NONE_HASH
+    )
+    hashes = []
+    parent = None
+    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
+        block = prompt_token_ids[start : start + block_size]
+        parent = kv_cache_utils.hash_block_tokens(sha256, parent, block, None)
+        hashes.append(parent)
+    sent = SimpleNamespace(block_hashes=hashes, prompt_token_ids=prompt_token_ids)
+    return kv_cache_utils.frontend_block_hashes(sent, config)

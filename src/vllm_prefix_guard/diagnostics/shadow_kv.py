@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE
+from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE, model_runner_output
 
 NEVER_WRITTEN = "never_written"
 WRONG_CONTENT = "wrong_content"
@@ -662,7 +662,7 @@ class ShadowWorker:
 
     def execute(self, plan: StepPlan) -> Any:
         """Write, then check reads; return the step's ``ModelRunnerOutput``."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         step = self.steps_executed
         self.steps_executed += 1
@@ -779,9 +779,8 @@ class ShadowWorker:
             connector_output = KVConnectorOutput(
                 finished_recving=received or None, invalid_block_ids=invalid, **by_request
             )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        return model_runner_output(
+            req_ids,
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
@@ -911,7 +910,9 @@ class Driver:
         if self.scheduler.num_spec_tokens and self.in_flight:
             # A request admitted (new or resumed) starts where the scheduler says.
             admitted = {req.req_id for req in output.scheduled_new_reqs}
-            admitted.update(output.scheduled_cached_reqs.resumed_req_ids or ())
+            from vllm_prefix_guard.rules.failed_kv_loads import resumed_req_ids
+
+            admitted.update(resumed_req_ids(output.scheduled_cached_reqs))
             drafted = [read for step in self.in_flight for read in step.reads if read.draft_ids]
             for read in plan.reads:
                 if read.request_id not in admitted:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import get_group_id
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_prefix_guard.rules.block_pool import StepCacheEntries, UncommittedEntry
@@ -65,11 +65,19 @@ def admissions(
         if new_req.block_ids:
             yield new_req.req_id, new_req.block_ids, new_req.num_computed_tokens
     cached = scheduler_output.scheduled_cached_reqs
-    if cached.resumed_req_ids:
+    resumed = resumed_req_ids(cached)
+    if resumed:
         for index, req_id in enumerate(cached.req_ids):
             block_ids = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids and block_ids:
+            if req_id in resumed and block_ids:
                 yield req_id, block_ids, cached.num_computed_tokens[index]
+
+
+def resumed_req_ids(cached_reqs: CachedRequestData) -> Collection[str]:
+    """The cached requests a step resumes after a preemption, with their whole
+    block list. vLLM 0.30-0.33 name them (`resumed_req_ids`); 0.34 has no such
+    field: it sends a resumed request again among the new ones."""
+    return getattr(cached_reqs, "resumed_req_ids", None) or ()
 
 
 def first_computed_tokens(scheduler_output: SchedulerOutput) -> dict[str, int]:

@@ -215,7 +215,7 @@ class UncommittedPrefixCache:
         Args:
             scheduler_output: The step whose output came back.
             computed_req_ids: The requests the output lists
-                (`ModelRunnerOutput.req_id_to_index`).
+                (`ModelRunnerOutput.req_ids`).
 
         Returns:
             Each request left out with entries not written -> their blocks;
@@ -229,6 +229,7 @@ class UncommittedPrefixCache:
         record = self._in_flight.get(id(scheduler_output))
         if record is None:
             return {}
+        computed_req_ids = set(computed_req_ids)
         steps = list(self._in_flight.values())
         index = next(i for i, (output, _) in enumerate(steps) if output is record[0])
         entries = record[1]

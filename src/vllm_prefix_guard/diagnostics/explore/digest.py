@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from vllm_prefix_guard.diagnostics.pool_index import cached_block_ids
 
 #: Fields of vLLM's objects that cannot change what happens next: statistics (counters
 #: that only report), configuration fixed when the scheduler was built, and references
@@ -81,6 +84,8 @@ def plain(value: Any) -> Any:
         return ("map", tuple(sorted((repr(plain(k)), plain(v)) for k, v in value.items())))
     if isinstance(value, set | frozenset):
         return ("set", tuple(sorted(repr(plain(v)) for v in value)))
+    if isinstance(value, array):  # vLLM 0.34's token ids (int32 ``TokenBuffer``)
+        return tuple(value.tolist())
     if isinstance(value, list | tuple) or _is_queue(value):
         return tuple(plain(v) for v in value)
     if type(value).__name__ == "KVCacheBlock":
@@ -135,12 +140,13 @@ def pool_state(pool: Any) -> tuple[Any, ...]:
     guard's open record included)."""
     free = tuple(block.block_id for block in pool.free_block_queue.get_all_free_blocks())
     blocks = tuple((b.block_id, b.ref_cnt, _hash(b.block_hash)) for b in pool.blocks)
-    index = []
-    # vLLM's index is a dict of hash -> block, or of hash -> {block id: block}.
-    for key, held in pool.cached_block_hash_to_block._cache.items():
-        ids = sorted(held) if isinstance(held, dict) else [held.block_id]
-        index.append((_hash(key), tuple(ids)))
-    return (free, blocks, tuple(sorted(index)), fields_of(pool))
+    index = tuple(
+        sorted(
+            (_hash(key), tuple(sorted(block_ids)))
+            for key, block_ids in cached_block_ids(pool.cached_block_hash_to_block).items()
+        )
+    )
+    return (free, blocks, index, fields_of(pool))
 
 
 def _hash(key: Any) -> bytes | None:

@@ -25,6 +25,11 @@ requests that hold blocks in a queue of their own. :data:`ASYNC_LOAD_PROBE` is t
 smallest such layout: a low-priority request loading 64 tokens, then a higher-priority one
 needing more blocks than are left.
 
+New scheduler paths. A configuration that turns on a scheduler feature vLLM 0.34 added (a
+``SchedulerConfig`` field: the bounded asynchronous KV-load queue, cache-aware admission)
+or sends frontend-computed block hashes (``Request(block_hashes=...)``) needs a vLLM that
+has it: :func:`scheduler_features_missing`.
+
 Per-request load failures. A worker reports an asynchronous load that failed as a whole in
 ``KVConnectorOutput.failed_recving``; vLLM 0.27 has no such field (measured by
 ``nox -s compat``), so the configurations whose asynchronous loads fail are not run there.
@@ -190,3 +195,21 @@ def partial_state_hits_unsound() -> str | None:
         "(stock and guard alike start a request from a wrong state in "
         "capabilities.PARTIAL_STATE_PROBES; vLLM 0.30 and 0.31 measured)"
     )
+
+
+def scheduler_features_missing(spec: SchedulerSpec) -> str | None:
+    """Why this vLLM lacks what ``spec`` asks of it (None: it has it): a ``SchedulerConfig``
+    field ``spec`` passes through, or requests that carry their prompt's block hashes."""
+    import dataclasses
+    import inspect
+
+    from vllm.config import SchedulerConfig
+    from vllm.v1.request import Request
+
+    fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    missing = sorted(set(spec.extra_scheduler_kwargs) - fields)
+    if missing:
+        return f"this vLLM's SchedulerConfig has no {', '.join(missing)} (added in vLLM 0.34)"
+    if spec.frontend_block_hashes and "block_hashes" not in inspect.signature(Request).parameters:
+        return "this vLLM's Request takes no block_hashes computed by a frontend (vLLM 0.34+)"
+    return None

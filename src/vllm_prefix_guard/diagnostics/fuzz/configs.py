@@ -74,6 +74,9 @@ class FuzzConfig:
         can); see ``capabilities``. Importing vLLM, and probing it once per process."""
         from vllm_prefix_guard.diagnostics.fuzz import capabilities
 
+        missing = capabilities.scheduler_features_missing(self.spec)
+        if missing is not None:
+            return missing
         if self.loads_asynchronously:
             unreported = capabilities.failed_loads_unreported() if self.fails_kv_loads else None
             reason = unreported or capabilities.async_loads_stall()
@@ -509,6 +512,96 @@ SOAK_ONLY.update(
     )
     for name, config in _SPARSE.items()
     if name not in CONFIGS
+)
+
+
+def _with_scheduler(config: FuzzConfig, name: str, description: str, **fields: Any) -> FuzzConfig:
+    """``config`` with ``SchedulerConfig`` fields a newer vLLM added (a vLLM without them
+    cannot run it: ``FuzzConfig.unavailable``)."""
+    extra = {**config.spec.extra_scheduler_kwargs, **fields}
+    return dataclasses.replace(
+        config,
+        name=name,
+        description=description,
+        spec=dataclasses.replace(config.spec, extra_scheduler_kwargs=extra),
+    )
+
+
+def _with_frontend_hashes(config: FuzzConfig) -> FuzzConfig:
+    """``config`` with every prompt's block hashes computed by the frontend (vLLM 0.34's
+    ``EngineCoreRequest.block_hashes``): a request hits only blocks whose tokens it has."""
+    return dataclasses.replace(
+        config,
+        name=f"{config.name}-frontend-hashes",
+        description=f"as {config.name}, with prompt block hashes computed by the frontend",
+        spec=dataclasses.replace(config.spec, frontend_block_hashes=True),
+    )
+
+
+#: vLLM 0.34's new paths, in CI where a release has them: the bounded asynchronous
+#: KV-load queue (``--max-num-inflight-kv-loads``: a load waits parked, holding a block
+#: reservation, until one in flight is done; loaders abort or fail while parked or loading,
+#: under both failure policies), cache-aware admission (``--cache-aware-admission-window``:
+#: its probe counts entries registered but not written, and may move a request that would
+#: hit them to the front), and frontend-computed prompt block hashes.
+_ONE_LOAD_IN_FLIGHT = {"max_num_inflight_kv_loads": 1}
+_CACHE_AWARE = {"cache_aware_admission_window": 8, "cache_aware_admission_threshold": 0.0}
+CONFIGS.update(
+    (config.name, config)
+    for config in (
+        _with_scheduler(
+            CONFIGS["kv-load-async"],
+            "kv-load-queue-async",
+            "as kv-load-async, one asynchronous load in flight at a time "
+            "(--max-num-inflight-kv-loads 1: the others wait parked), policy recompute",
+            **_ONE_LOAD_IN_FLIGHT,
+        ),
+        _with_scheduler(
+            dataclasses.replace(
+                CONFIGS["kv-load-async"],
+                spec=dataclasses.replace(
+                    CONFIGS["kv-load-async"].spec, kv_load_failure_policy="fail"
+                ),
+                failed_loads=FailedLoadEpisodes(
+                    async_share=1.0, partial_share=0.5, abort_loader=0.5
+                ),
+            ),
+            "kv-load-queue-fail-async",
+            "as kv-load-queue-async under policy fail, loaders aborted more often "
+            "(while parked or loading)",
+            **_ONE_LOAD_IN_FLIGHT,
+        ),
+        _with_scheduler(
+            CONFIGS["hybrid-kv-load-async"],
+            "hybrid-kv-load-queue-async",
+            "as hybrid-kv-load-async, one asynchronous load in flight at a time",
+            **_ONE_LOAD_IN_FLIGHT,
+        ),
+        FuzzConfig(
+            "cache-aware-async",
+            "FCFS with cache-aware admission over the first 8 waiting requests at any usage "
+            "(its probe counts entries registered but not written); shared-prefix "
+            "families, n>1, aborts, resets, sync loads that fail (policy recompute); async",
+            _spec(
+                num_blocks=48,
+                async_scheduling=True,
+                kv_load_failure_policy="recompute",
+                extra_scheduler_kwargs=_CACHE_AWARE,
+            ),
+            depth=2,
+            traffic=Traffic(
+                arrival_rate=0.6,
+                n_prob=0.15,
+                abort_prob=0.05,
+                reset_interval=80,
+                external_share=0.3,
+                fail_share=0.3,
+            ),
+            failed_loads=FailedLoadEpisodes(gap=40, abort_loader=0.3),
+        ),
+        _with_frontend_hashes(CONFIGS["victim-async"]),
+        _with_frontend_hashes(CONFIGS["kv-load-partial-async"]),
+    )
 )
 #: Every configuration, by name.
 ALL_CONFIGS: dict[str, FuzzConfig] = {**CONFIGS, **SOAK_ONLY}

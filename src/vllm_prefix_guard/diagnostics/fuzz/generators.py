@@ -29,9 +29,10 @@ from vllm_prefix_guard.diagnostics.fuzz.workload import (
 
 # Token ids: the system prompt is 1..; every other run comes from a generator's own
 # space (``space * _SPACE_SIZE`` on), one ``_RUN_SIZE`` slot per run, so prompts share a
-# prefix only where a generator means it. The shrinker renumbers runs compactly.
+# prefix only where a generator means it. The shrinker renumbers runs compactly. Every id
+# fits in an int32, as vLLM 0.34 stores token ids (spaces 1-3 end below 2**31).
 SYSTEM_PROMPT_BASE = 1
-_SPACE_SIZE = 10**12
+_SPACE_SIZE = 2**29
 _RUN_SIZE = 10_000
 
 
@@ -51,6 +52,7 @@ class _Namer:
     def run(self) -> int:
         """First token id of a run no other run overlaps."""
         self.runs += 1
+        assert (self.runs + 1) * _RUN_SIZE <= _SPACE_SIZE, "a workload of too many runs"
         return self.base + self.runs * _RUN_SIZE
 
 

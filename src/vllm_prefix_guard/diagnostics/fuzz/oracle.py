@@ -174,8 +174,12 @@ class MeteredDriver(Driver):
 
 
 def _resumed(cached: Any) -> Iterator[tuple[str, int]]:
-    """Requests a step resumes after a preemption, with the tokens they resume from."""
-    if cached.resumed_req_ids:
+    """Requests a step resumes after a preemption among its cached ones, with the tokens
+    they resume from (vLLM 0.34 resumes them among the new ones)."""
+    from vllm_prefix_guard.rules.failed_kv_loads import resumed_req_ids
+
+    resumed = resumed_req_ids(cached)
+    if resumed:
         for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
-            if request_id in cached.resumed_req_ids:
+            if request_id in resumed:
                 yield request_id, computed

@@ -34,6 +34,7 @@ from typing import Any
 
 from vllm_prefix_guard import plugin
 from vllm_prefix_guard.diagnostics.factory import (
+    SchedulerSpec,
     hash_lookahead_tokens,
     make_request,
     make_scheduler,
@@ -219,7 +220,7 @@ def run_workload(
                 event = pending.popleft()
                 if isinstance(event, Arrive):
                     arrival += 1
-                    requests.append(_arrive(driver, event, workload.spec.block_size, arrival))
+                    requests.append(_arrive(driver, event, workload.spec, arrival))
                 elif not _inject(driver, event):
                     resets_refused += 1
             driver.step()
@@ -275,15 +276,16 @@ def awaits_dropped_output(request: Any) -> bool:
     return request.status == RequestStatus.RUNNING and request.num_output_placeholders > 0
 
 
-def _arrive(driver: MeteredDriver, event: Arrive, block_size: int, arrival: int) -> Any:
+def _arrive(driver: MeteredDriver, event: Arrive, spec: SchedulerSpec, arrival: int) -> Any:
     request = make_request(
         event.request_id,
         expand(event.prompt),
-        block_size=block_size,
+        block_size=spec.block_size,
         max_tokens=event.max_tokens,
         priority=event.priority,
         arrival_time=float(arrival),
         hash_lookahead_tokens=hash_lookahead_tokens(driver.scheduler),
+        frontend_block_hashes=spec.frontend_block_hashes,
     )
     connector = driver.scheduler.connector
     if connector is not None:
