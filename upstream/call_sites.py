@@ -358,9 +358,111 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
     ),
 )
 
-#: Part 3, KV events that stay true with several blocks per hash: ``BlockRemoved`` only
-#: when no block caches the hash any more, on every path that removes one.
+#: Part 3, KV events that stay true with several blocks per hash: ``BlockStored`` only
+#: when no other block caches the hash yet, ``BlockRemoved`` only when no block caches
+#: it any more, on every path that adds or removes one.
 KV_EVENTS: tuple[Edit, ...] = (
+    Edit(
+        BLOCK_POOL,
+        """        new_hashes: list[ExternalBlockHash] | None = (
+            [] if self.enable_kv_cache_events else None
+        )
+        for i, blk in enumerate(new_full_blocks):
+""",
+        """        new_hashes: list[ExternalBlockHash] | None = (
+            [] if self.enable_kv_cache_events else None
+        )
+        # Position and first copy of each block in new_hashes (first_copy_events).
+        copies: list[tuple[int, bool]] = []
+        for i, blk in enumerate(new_full_blocks):
+""",
+    ),
+    Edit(
+        BLOCK_POOL,
+        """            self._insert_block_hash(
+                block_hash_with_group_id,
+                blk,
+                num_tokens=num_hash_tokens,
+                request_id=request.request_id,
+            )
+            if new_hashes is not None:
+                new_hashes.append(maybe_convert_block_hash(block_hash))
+""",
+        """            if new_hashes is not None:
+                new_hashes.append(maybe_convert_block_hash(block_hash))
+                first_copy = (
+                    self.cached_block_hash_to_block.get_one_block(
+                        block_hash_with_group_id
+                    )
+                    is None
+                )
+                copies.append((i, first_copy))
+            self._insert_block_hash(
+                block_hash_with_group_id,
+                blk,
+                num_tokens=num_hash_tokens,
+                request_id=request.request_id,
+            )
+""",
+    ),
+    Edit(
+        BLOCK_POOL,
+        """            self.kv_event_queue.append(
+                self._build_block_stored_event(
+                    request,
+                    block_hashes=new_hashes,
+                    parent_block_hash=parent_block_hash,
+                    start_token_idx=start_token_idx,
+                    end_token_idx=end_token_idx,
+                    block_size=block_size,
+                    kv_cache_group_id=kv_cache_group_id,
+                    extra_keys_list=extra_keys_list,
+                    lookahead_token_ids=lookahead_token_ids,
+                )
+            )
+""",
+        """            stored = self._build_block_stored_event(
+                request,
+                block_hashes=new_hashes,
+                parent_block_hash=parent_block_hash,
+                start_token_idx=start_token_idx,
+                end_token_idx=end_token_idx,
+                block_size=block_size,
+                kv_cache_group_id=kv_cache_group_id,
+                extra_keys_list=extra_keys_list,
+                lookahead_token_ids=lookahead_token_ids,
+            )
+            self.kv_event_queue.extend(self.first_copy_events(stored, copies))
+""",
+    ),
+    Edit(
+        BLOCK_POOL,
+        """            removed_hashes = self._remove_cached_block_hashes(block)
+            self._emit_block_removed_events(removed_hashes)
+        self._insert_block_hash(
+            block_hash_with_group_id,
+            block,
+            num_tokens=num_hash_blocks * self.hash_block_size,
+            request_id=request.request_id,
+        )
+        if self.enable_kv_cache_events and not already_cached:
+""",
+        """            removed_hashes = self._remove_cached_block_hashes(block)
+            self._emit_block_removed_events(removed_hashes)
+        # Announced only where no other block caches the hash yet.
+        first_copy = (
+            self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id)
+            is None
+        )
+        self._insert_block_hash(
+            block_hash_with_group_id,
+            block,
+            num_tokens=num_hash_blocks * self.hash_block_size,
+            request_id=request.request_id,
+        )
+        if self.enable_kv_cache_events and not already_cached and first_copy:
+""",
+    ),
     Edit(
         BLOCK_POOL,
         """        if not self.enable_kv_cache_events:

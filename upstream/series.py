@@ -176,7 +176,7 @@ PARTS: tuple[Part, ...] = (
             Methods(
                 "block_pool",
                 "BlockPoolAdditions",
-                ("uncached_block_hashes",),
+                ("uncached_block_hashes", "first_copy_events"),
                 "BlockPool",
                 "_emit_block_removed_events",
             ),

@@ -15,9 +15,11 @@ to ``BlockPool`` (``upstream/series.py``), grafted instead of edited in:
   :mod:`vllm_prefix_guard.rules.block_pool`, plus one branch only a plugin needs: a pool
   whose ``evict_blocks`` does more than drop hashes (kvcached's returns the block's
   physical pages) evicts an unreferenced block through it;
-- *true removal events*: ``BlockRemoved`` for a hash only once no block caches it any
-  more (``uncached_block_hashes``, from the rules), on every path that removes one:
-  vLLM's eviction, partial-to-full promotion and the rules' rollbacks, whichever pool.
+- *events per hash*: ``BlockRemoved`` for a hash only once no block caches it any more
+  (``uncached_block_hashes``, from the rules), on every path that removes one: vLLM's
+  eviction, partial-to-full promotion and the rules' rollbacks, whichever pool; and with
+  KV events on, ``BlockStored`` only when the first block caches it
+  (:class:`FirstCopyStoredEvents`, ``first_copy_events``).
 
 It also counts what it recorded and removed, and bumps :attr:`guard_epoch` on every
 successful ``reset_prefix_cache``: the scheduler hooks read these, never the other way.
@@ -213,6 +215,92 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         return removed
 
 
+class FirstCopyStoredEvents:
+    """With KV events on: ``BlockStored`` only for a hash no other block caches (the series'
+    part 3, ``first_copy_events``), as ``BlockRemoved`` only for the last copy. Outermost
+    in the guarded class's MRO: each override runs the guarded pool's own (``super()``)
+    and rewrites the events it queued."""
+
+    kv_event_queue: list[Any]
+    cached_block_hash_to_block: Any
+    # ``(num_tokens, first copy)`` of each block the running ``cache_*`` call inserts.
+    _guard_copies: list[tuple[int, bool]] | None = None
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Any = None,
+    ) -> Any:
+        queue = self.kv_event_queue
+        queued = len(queue)
+        outer, self._guard_copies = self._guard_copies, []
+        try:
+            result = super().cache_full_blocks(  # type: ignore[misc]
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            )
+        finally:
+            copies, self._guard_copies = self._guard_copies, outer
+        if (
+            copies
+            and not all(first for _, first in copies)
+            and len(queue) > queued
+            and type(queue[-1]).__name__ == "BlockStored"
+        ):
+            stored = queue.pop()
+            positions = [(n // block_size - 1 - num_cached_blocks, first) for n, first in copies]
+            queue.extend(BlockPoolAdditions.first_copy_events(stored, positions))
+        return result
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: Any,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Any:
+        queue = self.kv_event_queue
+        queued = len(queue)
+        outer, self._guard_copies = self._guard_copies, []
+        try:
+            result = super().cache_partial_block(  # type: ignore[misc]
+                request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
+            )
+        finally:
+            copies, self._guard_copies = self._guard_copies, outer
+        if (
+            copies
+            and not copies[-1][1]
+            and len(queue) > queued
+            and type(queue[-1]).__name__ == "BlockStored"
+        ):
+            queue.pop()  # its one BlockStored: another block caches the hash
+        return result
+
+    def _insert_block_hash(
+        self, block_hash_with_group_id: Any, block: Any, num_tokens: int | None
+    ) -> Any:
+        copies = self._guard_copies
+        if copies is not None:
+            first = self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id) is None
+            copies.append((num_tokens or 0, first))
+        return super()._insert_block_hash(  # type: ignore[misc]
+            block_hash_with_group_id, block, num_tokens
+        )
+
+
 _GUARDED_CLASSES: dict[tuple[type, bool], type] = {}
 
 
@@ -276,7 +364,10 @@ def guarded_class(base: Any, kv_events: bool) -> type:
     guarded = _GUARDED_CLASSES.get((base, kv_events))
     if guarded is None:
         namespace: dict[str, Any] = {"__module__": __name__, **next_implementations(base)}
-        if not kv_events:
+        bases: tuple[type, ...] = (PrefixGuardPool, base)
+        if kv_events:
+            bases = (FirstCopyStoredEvents, *bases)
+        else:
             namespace["_emit_block_removed_events"] = base._emit_block_removed_events
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -284,7 +375,7 @@ def guarded_class(base: Any, kv_events: bool) -> type:
             self._guard_init_state()
 
         namespace["__init__"] = __init__
-        guarded = type(f"PrefixGuarded{base.__name__}", (PrefixGuardPool, base), namespace)
+        guarded = type(f"PrefixGuarded{base.__name__}", bases, namespace)
         _GUARDED_CLASSES[(base, kv_events)] = guarded
     return guarded
 

@@ -41,14 +41,15 @@ def test_guard_reads_no_bad_kv(ci_results: dict[str, ConfigResult], config: str)
 def test_guard_kv_events_match_its_prefix_cache(
     ci_results: dict[str, ConfigResult], config: str
 ) -> None:
-    """A consumer replayed from the guard's KV events equals the pool's keys after every
-    step (one key in several blocks: ``BlockRemoved`` only for the last). Stock's
-    inconsistencies are its exposure, stated in the check's detail."""
+    """Both consumer models replayed from the guard's KV events equal the pool's keys after
+    every step: a set (``BlockStored`` adds, ``BlockRemoved`` removes) and a count per key
+    (Dynamo's ``EventDedupFilter``). Stock's inconsistencies are its exposure, stated in
+    the check's detail."""
     result = ci_results[config]
     guard = result.totals["guard"]
-    assert guard.kv_event_keys_missing == guard.kv_event_keys_extra == 0, _check(
-        result, KV_EVENTS_CHECK
-    )[1]
+    detail = _check(result, KV_EVENTS_CHECK)[1]
+    assert guard.kv_event_keys_missing == guard.kv_event_keys_extra == 0, detail
+    assert guard.kv_event_counted_keys_missing == guard.kv_event_counted_keys_extra == 0, detail
 
 
 def test_stock_kv_events_disagree_with_its_cache_somewhere(

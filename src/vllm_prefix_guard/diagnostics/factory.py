@@ -58,8 +58,10 @@ class SchedulerSpec:
     sliding_window: int = 0
     # "fail" or "recompute" attaches the fake KV connector with that load-failure policy.
     kv_load_failure_policy: Literal["fail", "recompute"] | None = None
-    # KV events on (the pool queues BlockStored / BlockRemoved; published to nowhere).
+    # KV events on (the pool queues BlockStored / BlockRemoved; published to nowhere, or
+    # on vLLM's ZMQ publisher bound to ``kv_events_endpoint``).
     kv_events: bool = False
+    kv_events_endpoint: str | None = None
     # A second KV-cache group holding a recurrent state (Mamba2 / GDN) per block, in the
     # "align" cache mode prefix caching uses: a hybrid model's state blocks.
     mamba_align: bool = False
@@ -155,7 +157,10 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
-        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        publisher = {"publisher": "null"}
+        if spec.kv_events_endpoint is not None:
+            publisher = {"publisher": "zmq", "endpoint": spec.kv_events_endpoint}
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, **publisher)
     try:
         config = VllmConfig(
             model_config=model_config,

@@ -8,8 +8,11 @@
 between the two.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 from vllm.v1.request import Request
 
@@ -62,13 +65,12 @@ class BlockPoolAdditions:
         """The hashes among `block_hashes` that no block caches any more.
 
         Several blocks can be cached under one hash: requests that compute the
-        same prefix concurrently each fill a block of their own. `BlockRemoved`
-        tells KV-event consumers (KV-aware routers) that this engine no longer
-        caches the hash, so it is due only when the last of those blocks loses
-        it; until then a request still hits the others. Each copy is still
-        announced by its own `BlockStored`, so the stream has set semantics: a
-        hash is cached from a `BlockStored` until a `BlockRemoved` (a second
-        `BlockStored` adds nothing; a consumer must not count copies).
+        same prefix concurrently each fill a block of their own. KV events
+        describe the hash, not its copies: `BlockRemoved` is due only when the
+        last of those blocks loses it (until then a request still hits the
+        others), as `BlockStored` is only when the first caches it
+        (`first_copy_events`). A consumer that keeps a set of hashes and one
+        that counts them then agree with the cache alike.
 
         Args:
             block_hashes: Hashes just removed from the prefix cache, each from
@@ -83,6 +85,60 @@ class BlockPoolAdditions:
             for block_hash in block_hashes
             if self.cached_block_hash_to_block.get_one_block(block_hash) is None
         ]
+
+    @staticmethod
+    def first_copy_events(
+        stored: BlockStored, copies: Sequence[tuple[int, bool]]
+    ) -> list[BlockStored]:
+        """`stored` less the blocks whose hash another block cached already.
+
+        A `BlockStored` announces hashes that just became cached. A block
+        registered under a hash another block already caches (two requests
+        that computed the same prefix) changes nothing a consumer can see, so
+        it is left out, and the rest go as one event per run of consecutive
+        blocks, each naming the block before it as its parent.
+
+        Args:
+            stored: The event of one `cache_full_blocks` call.
+            copies: For each block it lists, in order: its position among
+                the blocks the call cached (its tokens' place in
+                `stored.token_ids`), and whether it is the hash's first copy.
+
+        Returns:
+            The events to queue instead (none if every block is a copy).
+
+        """
+        assert len(copies) == len(stored.block_hashes)
+        if all(first for _, first in copies):
+            return [stored]
+        size = stored.block_size
+        events = []
+        start = 0
+        while start < len(copies):
+            if not copies[start][1]:
+                start += 1
+                continue
+            end = start + 1
+            while end < len(copies) and copies[end][1]:
+                end += 1
+            fields = {
+                "block_hashes": stored.block_hashes[start:end],
+                "parent_block_hash": (
+                    stored.block_hashes[start - 1]
+                    if start
+                    else stored.parent_block_hash
+                ),
+                "token_ids": stored.token_ids[
+                    copies[start][0] * size : (copies[end - 1][0] + 1) * size
+                ],
+            }
+            for name in ("extra_keys", "lookahead_token_ids"):
+                per_block = getattr(stored, name, None)
+                if per_block is not None:
+                    fields[name] = per_block[start:end]
+            events.append(msgspec.structs.replace(stored, **fields))
+            start = end
+        return events
 
     def remove_uncommitted_entry(self, entry: UncommittedEntry) -> bool:
         """Remove one uncommitted prefix-cache entry, and only that one.

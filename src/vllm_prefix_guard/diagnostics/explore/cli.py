@@ -129,6 +129,8 @@ def checks(results: list[Any], mutation: bool) -> list[str]:
             continue
         if "guard" in result.modes and result.violations("guard"):
             failed.append(f"{name}: the guard read bad KV")
+        if "guard" in result.modes and result.events_wrong("guard"):
+            failed.append(f"{name}: the guard's KV events disagreed with its prefix cache")
         if result.of("hit_gap"):
             failed.append(f"{name}: guard hits differ from clean stock's on some path")
     return failed

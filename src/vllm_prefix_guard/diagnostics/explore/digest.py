@@ -44,6 +44,8 @@ _SKIPPED = frozenset(
         "lora_config",
         "kv_cache_config",
         "kv_events_config",
+        # What the pool announces: read by consumers, never by the scheduler.
+        "kv_event_queue",
         "sampling_params",
         "pooling_params",
         "structured_output_manager",
@@ -233,6 +235,16 @@ def driver_state(driver: Any) -> tuple[Any, ...]:
         ),
         tuple(sorted(driver.admitted.items())),
         bool(kv.counts),
+    )
+
+
+def consumers_state(events: Any) -> tuple[Any, ...] | None:
+    """What the KV-event consumers replayed beside the lane believe (None: events off)."""
+    if events is None:
+        return None
+    return (
+        tuple(sorted(map(repr, events.keys))),
+        tuple(sorted((repr(key), count) for key, count in events.counts.items())),
     )
 
 

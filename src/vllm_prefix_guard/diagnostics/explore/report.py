@@ -19,14 +19,15 @@ from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Event, Re
 
 HEADER = (
     "| scope | lane | states | transitions | complete paths | depth | seconds "
-    "| violations (first bad read on a path) | paths compared: guard hits = clean stock's "
+    "| violations (first bad read on a path) | KV events wrong (first on a path: a set or a "
+    "counting consumer disagrees with the pool) | paths compared: guard hits = clean stock's "
     "| complete |"
 )
 
 
 def table(results: Sequence[SearchResult]) -> str:
     """A markdown row per scope and lane."""
-    lines = [HEADER, "|---|---|" + "---:|" * 7 + "---|"]
+    lines = [HEADER, "|---|---|" + "---:|" * 8 + "---|"]
     for result in results:
         c = result.counters
         gaps = len(result.of("hit_gap"))
@@ -44,7 +45,7 @@ def table(results: Sequence[SearchResult]) -> str:
             lines.append(
                 f"| {result.scope.name} | {mode} | {c['states']} | {c['transitions']} "
                 f"| {c['complete_paths']} | {c['max_depth']} | {result.seconds:.1f} "
-                f"| {result.violations(mode)} | {compared} "
+                f"| {result.violations(mode)} | {result.events_wrong(mode)} | {compared} "
                 f"| {'yes' if result.complete else 'NO'} |"
             )
     return "\n".join(lines)
@@ -61,6 +62,7 @@ def summary(result: SearchResult) -> dict[str, Any]:
         **{key: result.counters[key] for key in ("states", "transitions", "complete_paths")},
         "depth": result.counters["max_depth"],
         "violations": {mode: result.violations(mode) for mode in result.modes},
+        "kv_events_wrong": {mode: result.events_wrong(mode) for mode in result.modes},
         "compared_paths": result.counters["compared_paths"],
         "hit_gaps": len(result.of("hit_gap")),
         "hit_gaps_reordered": len(result.of("hit_gap_reordered")),
@@ -128,6 +130,13 @@ def findings_text(results: Sequence[SearchResult]) -> str:
                     f"{result.violations(mode)} transition(s); shortest:\n"
                     + reproducer(result.scope, shortest)
                 )
+        wrong = result.shortest("kv_events", "guard")
+        if wrong is not None:
+            blocks.append(
+                f"## {result.scope.name}: the guard's KV events disagree with its pool "
+                f"({wrong.detail}), {result.events_wrong('guard')} transition(s); shortest:\n"
+                + reproducer(result.scope, wrong)
+            )
         reordered = result.shortest("hit_gap_reordered")
         if reordered is not None:
             blocks.append(

@@ -122,6 +122,8 @@ class Scope:
             kv_load_failure_policy=self.kv_load_failure_policy,
             mamba_align=self.mamba_align,
             retention_interval=self.retention_interval,
+            # Every lane's KV events are replayed by a set and a counting consumer.
+            kv_events=True,
         )
 
     def bounds(self) -> str:

@@ -72,6 +72,11 @@ class SearchResult:
         """Transitions on which ``lane`` read bad KV for the first time on its path."""
         return len(self.of("violation", lane))
 
+    def events_wrong(self, lane: str) -> int:
+        """Transitions after which a KV-event consumer of ``lane`` (a set of keys, or a
+        count per key) disagreed with its pool for the first time on its path."""
+        return len(self.of("kv_events", lane))
+
     def shortest(self, kind: str, lane: str | None = None) -> Finding | None:
         found = self.of(kind, lane)
         return min(found, key=lambda f: (len(f.path), repr(f.path))) if found else None
@@ -154,6 +159,14 @@ class Search:
                 for v in lane.driver.kv.violations[:3]
             ]
             self._log("violation", lane.mode, path, {"counts": counts, "examples": examples})
+        for index in system.first_events_wrong:
+            events = system.lanes[index].driver.events
+            assert events is not None  # only a lane with KV events can disagree
+            wrong = {
+                "set": [events.missing, events.extra],
+                "counting": [events.counted_missing, events.counted_extra],
+            }
+            self._log("kv_events", system.lanes[index].mode, path, {"keys_wrong": wrong})
         if all(system.dirty):
             self.table.add("cut")
             return

@@ -129,6 +129,14 @@ class Lane:
         return self.driver.request_hit_tokens
 
     @property
+    def event_steps_wrong(self) -> int:
+        """Steps after which a KV-event consumer (set or counting) disagreed with the pool."""
+        events = self.driver.events
+        return (
+            0 if events is None else events.inconsistent_steps + events.counted_inconsistent_steps
+        )
+
+    @property
     def drained(self) -> bool:
         return not self.scheduler.has_requests() and not self.driver.in_flight
 
@@ -266,6 +274,7 @@ class Lane:
             digest.scheduler_state(self.scheduler),
             digest.guard_state(self.guard),
             digest.driver_state(self.driver),
+            digest.consumers_state(self.driver.events),
             self.released,
             self.unchecked_hits,
         )
@@ -300,15 +309,20 @@ class System:
     iteration: int = 0
     arrived: tuple[int, ...] = ()
     aborted: tuple[str, ...] = ()
-    # Per lane: whether it has read bad KV on this path.
+    # Per lane: whether it has read bad KV on this path, and whether its KV events have
+    # disagreed with its pool.
     dirty: list[bool] = field(default_factory=list)
+    events_wrong: list[bool] = field(default_factory=list)
+    # The lanes whose KV events disagreed with the pool for the first time on this path,
+    # in the iteration just finished.
+    first_events_wrong: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, scope: Scope, modes: tuple[str, ...]) -> System:
         lanes = [build_lane(scope, mode) for mode in modes]
         if any(mode != "stock" for mode in modes):
             plugin.apply()
-        return cls(scope, lanes, dirty=[False] * len(lanes))
+        return cls(scope, lanes, dirty=[False] * len(lanes), events_wrong=[False] * len(lanes))
 
     # -- choices -----------------------------------------------------------------------
 
@@ -373,11 +387,15 @@ class System:
         """Complete the iteration; return the lanes that read bad KV for the first time
         on this path."""
         first_bad = []
+        self.first_events_wrong = []
         for index, lane in enumerate(self.lanes):
             lane.finish(outcome, self.scope, self.iteration)
             if lane.bad_reads and not self.dirty[index]:
                 self.dirty[index] = True
                 first_bad.append(index)
+            if lane.event_steps_wrong and not self.events_wrong[index]:
+                self.events_wrong[index] = True
+                self.first_events_wrong.append(index)
         self.iteration += 1
         return first_bad
 
@@ -425,6 +443,7 @@ class System:
                 self.arrived,
                 self.aborted,
                 tuple(self.dirty),
+                tuple(self.events_wrong),
                 self.hit_gap(),
                 *(lane.state() for lane in self.lanes),
             )

@@ -35,7 +35,9 @@ from vllm_prefix_guard.diagnostics.fuzz.configs import FuzzConfig
 from vllm_prefix_guard.diagnostics.fuzz.runner import MODES, RunResult, run_workload
 
 HITS_CHECK = "guard hit tokens >= stock's valid hit tokens"
-KV_EVENTS_CHECK = "guard's KV events match its prefix cache after every step"
+KV_EVENTS_CHECK = (
+    "guard's KV events match its prefix cache after every step, for a set and a counting consumer"
+)
 
 _PEAKS = {"peak_uncommitted_entries"}
 DECISIONS_CHECK = "guard decides as stock until stock reads bad KV"
@@ -142,18 +144,14 @@ class ConfigResult:
                 checks.append(Check(f"{mode} reads no bad KV", OK if bad == 0 else FAIL, detail))
         if "guard" in totals:
             guard = totals["guard"]
-            wrong = guard.kv_event_keys_missing + guard.kv_event_keys_extra
-            detail = (
-                f"{guard.kv_event_keys_missing} keys missing, {guard.kv_event_keys_extra} "
-                f"extra, in {guard.kv_event_inconsistent_steps} inconsistent steps"
+            wrong = sum(_event_keys_wrong(guard))
+            detail = _event_detail(guard) + (
+                f"; {guard.kv_event_rolled_back_after_publish} of "
+                f"{guard.kv_event_keys_stored} keys announced stored were rolled back after "
+                "the announcement was published"
             )
             if "stock" in totals:
-                stock = totals["stock"]
-                detail += (
-                    f"; stock: {stock.kv_event_keys_missing} missing, "
-                    f"{stock.kv_event_keys_extra} extra, in "
-                    f"{stock.kv_event_inconsistent_steps} inconsistent steps"
-                )
+                detail += "; stock: " + _event_detail(totals["stock"])
             checks.append(Check(KV_EVENTS_CHECK, OK if wrong == 0 else FAIL, detail))
         for mode in ("guard",):
             audit = totals[mode].audit if mode in totals else None
@@ -374,6 +372,23 @@ def _guard_vs_stock(
             pre_detail,
         ),
     ]
+
+
+def _event_keys_wrong(run: RunResult) -> tuple[int, int]:
+    """Keys wrong, summed over steps: (set consumer, counting consumer)."""
+    return (
+        run.kv_event_keys_missing + run.kv_event_keys_extra,
+        run.kv_event_counted_keys_missing + run.kv_event_counted_keys_extra,
+    )
+
+
+def _event_detail(run: RunResult) -> str:
+    return (
+        f"set consumer {run.kv_event_keys_missing} keys missing, {run.kv_event_keys_extra} "
+        f"extra, in {run.kv_event_inconsistent_steps} steps; counting consumer "
+        f"{run.kv_event_counted_keys_missing} missing, {run.kv_event_counted_keys_extra} "
+        f"extra, in {run.kv_event_counted_inconsistent_steps} steps"
+    )
 
 
 def _seeds_note(seeds: list[int], shown: int = 8) -> str:

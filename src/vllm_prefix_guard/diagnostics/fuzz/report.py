@@ -70,7 +70,8 @@ def summary_columns(modes: tuple[str, ...]) -> tuple[str, ...]:
         f"preemptions: {per_mode}",
         "pr43569 rolled back in flight",
         f"runs wedged by vLLM (released): {per_mode}",
-        f"KV-event keys wrong (missing + extra, summed over steps): {per_mode}",
+        f"KV-event keys wrong, set consumer (missing + extra, summed over steps): {per_mode}",
+        f"KV-event keys wrong, counting consumer: {per_mode}",
         "checks",
     )
 
@@ -108,6 +109,10 @@ def summary_table(results: list[ConfigResult]) -> str:
             str(pr.rolled_back_in_flight) if pr else "-",
             _per_mode(runs, "wedged_runs"),
             " / ".join(str(run.kv_event_keys_missing + run.kv_event_keys_extra) for run in runs),
+            " / ".join(
+                str(run.kv_event_counted_keys_missing + run.kv_event_counted_keys_extra)
+                for run in runs
+            ),
             verdict,
         ]
         lines.append("| " + " | ".join(cells) + " |")

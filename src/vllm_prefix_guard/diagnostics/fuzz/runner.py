@@ -108,12 +108,18 @@ class RunResult:
     # last release) for any other reason, and how many were left.
     stalled_runs: int = 0
     stalled_requests: int = 0
-    # KV events (configurations with them on): keys a consumer replayed from the stream
-    # lacks or has in excess against the pool's index, summed over the steps after which
-    # it disagreed, and how many such steps.
+    # KV events (configurations with them on): keys a set consumer replayed from the
+    # stream lacks or has in excess against the pool's index, summed over the steps after
+    # which it disagreed, and how many such steps; the same for a counting consumer
+    # (Dynamo's EventDedupFilter); keys a consumer held as stored that a rollback removed.
     kv_event_keys_missing: int = 0
     kv_event_keys_extra: int = 0
     kv_event_inconsistent_steps: int = 0
+    kv_event_counted_keys_missing: int = 0
+    kv_event_counted_keys_extra: int = 0
+    kv_event_counted_inconsistent_steps: int = 0
+    kv_event_keys_stored: int = 0
+    kv_event_rolled_back_after_publish: int = 0
     # Digest of every step's decisions (MeteredDriver.decisions): equal digests, equal
     # trajectories. Meaningful between runs of one workload in one process.
     decisions: int = 0
@@ -351,6 +357,11 @@ def _result(
         result.kv_event_keys_missing = driver.events.missing
         result.kv_event_keys_extra = driver.events.extra
         result.kv_event_inconsistent_steps = driver.events.inconsistent_steps
+        result.kv_event_counted_keys_missing = driver.events.counted_missing
+        result.kv_event_counted_keys_extra = driver.events.counted_extra
+        result.kv_event_counted_inconsistent_steps = driver.events.counted_inconsistent_steps
+        result.kv_event_keys_stored = driver.events.stored
+        result.kv_event_rolled_back_after_publish = driver.events.rolled_back_after_publish
     if guard is not None:
         if isinstance(guard.rules, EveryStepInFlight):
             result.rolled_back_in_flight = guard.rules.entries
