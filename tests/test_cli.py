@@ -154,3 +154,49 @@ def test_doctor_passes_usable_settings(
     assert status == 0
     assert checks[STATS_FILE_ENV]["detail"].endswith("its directory is writable")
     assert checks[RUN_DIR_ENV]["detail"].endswith("inherited, writable")
+
+
+def test_doctor_fails_when_the_guard_is_asked_for_and_vllm_would_not_load_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Never unguarded in silence: ``VLLM_PREFIX_GUARD=1`` with a ``VLLM_PLUGINS`` list that
+    leaves the plugin out (vLLM would not load it) is a failure, with the fix."""
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    status, checks = doctor_json(capsys)
+    assert status == 1
+    guard = checks["guard"]
+    assert guard["status"] == "FAIL" and "would serve unguarded" in guard["detail"]
+    assert "Add prefix_guard to VLLM_PLUGINS" in guard["detail"]
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin,prefix_guard")
+    assert doctor_json(capsys)[0] == 0
+
+
+def test_doctor_refuses_a_stats_path_that_is_a_directory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setenv(STATS_FILE_ENV, str(tmp_path))
+    status, checks = doctor_json(capsys)
+    assert status == 1
+    assert "is a directory; name a file in it" in checks[STATS_FILE_ENV]["detail"]
+    with pytest.raises(GuardConfigError, match="is a directory"):
+        plugin.register()
+
+
+def test_doctor_text_puts_failures_first_and_ends_with_its_verdict(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "verdict: ok: a vLLM server started from this shell starts, the guard ON"
+    assert [line for line in lines if "] internal " in line] == []  # folded into one line
+    assert any(line.startswith("[  ok] internals: all ") for line in lines)
+    assert main(["doctor", "--verbose"]) == 0
+    assert sum("] internal " in line for line in capsys.readouterr().out.splitlines()) > 60
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    assert main(["doctor"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("[FAIL] guard: ")
+    assert lines[-1].startswith("verdict: 1 FAIL (guard): ")

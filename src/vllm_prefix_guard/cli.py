@@ -24,7 +24,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from vllm_prefix_guard.doctor import run_checks
+    from vllm_prefix_guard.doctor import report_lines, run_checks
 
     if args.json:
         # Only the document on stdout: vLLM binds its log handler to the stdout it sees
@@ -34,8 +34,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps([c.as_dict() for c in checks], indent=2))
     else:
         checks = run_checks(args.self_test)
-        for check in checks:
-            print(check.render())
+        print("\n".join(report_lines(checks, args.verbose)))
     return EXIT_FAILED if any(c.failed for c in checks) else EXIT_OK
 
 
@@ -57,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--self-test", action="store_true", help="also run the known failure, stock vs guarded"
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--verbose", action="store_true", help="list every internal, not only a failed one"
+    )
     doctor.set_defaults(func=cmd_doctor)
     # fuzz has its own parser (diagnostics, imported only when it runs).
     sub.add_parser("fuzz", help="differential fuzzing against the installed vLLM", add_help=False)

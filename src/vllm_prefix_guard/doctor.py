@@ -110,6 +110,46 @@ def run_checks(self_test: bool) -> list[Check]:
     return checks
 
 
+def report_lines(checks: list[Check], verbose: bool = False) -> list[str]:
+    """``doctor``'s text: the failures first, then every check in order (the internals
+    folded into one line while all are present, unless ``verbose``), then the verdict."""
+    failed = [c for c in checks if c.failed]
+    lines = [c.render() for c in failed]
+    if failed:
+        lines.append("")
+    internals = [c for c in checks if c.name.startswith("internal ")]
+    folded = not verbose and internals and not any(c.failed for c in internals)
+    for check in checks:
+        if folded and check.name.startswith("internal "):
+            if check is internals[0]:
+                lines.append(
+                    Check(
+                        "internals",
+                        OK,
+                        f"all {len(internals)} vLLM internals the guard touches are as it "
+                        "expects (--verbose lists them)",
+                    ).render()
+                )
+            continue
+        lines.append(check.render())
+    lines.append(verdict(checks))
+    return lines
+
+
+def verdict(checks: list[Check]) -> str:
+    """The closing line: whether a server started from this shell starts, guarded or not."""
+    failed = [c for c in checks if c.failed]
+    if failed:
+        names = ", ".join(c.name for c in failed[:3]) + (", ..." if len(failed) > 3 else "")
+        return (
+            f"verdict: {len(failed)} FAIL ({names}): a vLLM server started from this shell "
+            "would not start, or not guarded; see the first lines"
+        )
+    guard = next((c for c in checks if c.name == "guard"), None)
+    state = "ON" if guard is not None and guard.detail.startswith("ON") else "OFF"
+    return f"verdict: ok: a vLLM server started from this shell starts, the guard {state}"
+
+
 def _state_groups(pool_calls: object) -> str:
     """What ``doctor`` says of hybrid models' state groups."""
     if not pool_calls:
@@ -145,12 +185,20 @@ def _activation_checks() -> tuple[list[Check], bool]:
         return checks, False
     checks.append(Check(plugin.ENV_VAR, OK, "unset" if raw is None else repr(raw)))
     if enabled and loaded:
-        verdict = "ON for a vLLM server started from this shell"
+        checks.append(Check("guard", INFO, "ON for a vLLM server started from this shell"))
     elif not enabled:
         verdict = f"OFF for a vLLM server started from this shell (set {plugin.ENV_VAR}=1)"
-    else:
-        verdict = "OFF for a vLLM server started from this shell (VLLM_PLUGINS excludes it)"
-    checks.append(Check("guard", INFO, verdict))
+        checks.append(Check("guard", INFO, verdict))
+    else:  # asked for, and vLLM would never load it: never unguarded in silence
+        checks.append(
+            Check(
+                "guard",
+                FAIL,
+                f"{plugin.ENV_VAR} asks for it, but VLLM_PLUGINS={allowed!r} leaves "
+                f"{ENTRY_POINT_NAME} out: vLLM would not load it and would serve unguarded. "
+                f"Add {ENTRY_POINT_NAME} to VLLM_PLUGINS, or unset {plugin.ENV_VAR}.",
+            )
+        )
     return checks, enabled and loaded
 
 

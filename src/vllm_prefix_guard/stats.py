@@ -83,13 +83,20 @@ def check_stats_file_setting(environ: Any = None) -> str | None:
     """The operator's stats-file template, if set; its directory must exist and be writable.
 
     Raises:
-        GuardConfigError: the directory is missing or not writable (checked at start-up,
-            so a typo fails the server's start instead of the first write).
+        GuardConfigError: the path is a directory, or its directory is missing or not
+            writable (checked at start-up, so a typo fails the server's start instead of
+            the first write).
     """
     template = (os.environ if environ is None else environ).get(STATS_FILE_ENV, "").strip()
     if not template:
         return None
-    directory = os.path.dirname(os.path.abspath(template.replace("{engine}", "0")))
+    path = os.path.abspath(template.replace("{engine}", "0"))
+    if os.path.isdir(path):
+        raise GuardConfigError(
+            f"{STATS_FILE_ENV}={template!r}: {path!r} is a directory; name a file in it "
+            f"(e.g. {os.path.join(template, 'prefix-guard-{engine}.json')!r})."
+        )
+    directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise GuardConfigError(
             f"{STATS_FILE_ENV}={template!r}: the directory {directory!r} does not exist. "
