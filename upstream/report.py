@@ -329,10 +329,14 @@ def fill(template: str, sections: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=HERE / "results.json")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a committed text differs from what the results give",
+    )
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    written = [HERE / "README.md"]
-    written[0].write_text(fill((HERE / "README.template.md").read_text(), overview(results)))
+    texts = {HERE / "README.md": fill((HERE / "README.template.md").read_text(), overview(results))}
     for number, part in enumerate(results["series"], start=1):
         stem = part["file"].rsplit("/", 1)[1].removesuffix(".patch")
         added, removed = added_removed(part)
@@ -342,12 +346,16 @@ def main(argv: list[str] | None = None) -> int:
             f"({len(part['files'])} files, +{added} -{removed})."
         )
         template = (HERE / "parts" / stem / "PR.template.md").read_text()
-        out = HERE / "series" / f"{stem}.md"
-        out.write_text(
-            fill(template, {"header": header, "evidence": part_evidence(results, number)})
+        texts[HERE / "series" / f"{stem}.md"] = fill(
+            template, {"header": header, "evidence": part_evidence(results, number)}
         )
-        written.append(out)
-    for path in written:
+    if args.check:
+        stale = [path for path, text in texts.items() if path.read_text() != text]
+        for path in stale:
+            print(f"stale: {path.relative_to(HERE.parent)} (python upstream/report.py)")
+        return 1 if stale else 0
+    for path, text in texts.items():
+        path.write_text(text)
         print(f"wrote {path.relative_to(HERE.parent)}")
     return 0
 
