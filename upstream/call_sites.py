@@ -362,6 +362,20 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
 #: when no other block caches the hash yet, ``BlockRemoved`` only when no block caches
 #: it any more, on every path that adds or removes one.
 KV_EVENTS: tuple[Edit, ...] = (
+    # first_copy_events copies a BlockStored with msgspec.structs.replace.
+    Edit(
+        BLOCK_POOL,
+        """from typing import Any
+
+from vllm.distributed.kv_events import (
+""",
+        """from typing import Any
+
+import msgspec
+
+from vllm.distributed.kv_events import (
+""",
+    ),
     Edit(
         BLOCK_POOL,
         """        new_hashes: list[ExternalBlockHash] | None = (

@@ -90,6 +90,22 @@ def test_a_hash_is_stored_and_removed_once_whatever_its_copies():
     assert num_hit_tokens(manager) == 0
 
 
+def test_block_stored_names_the_blocks_that_cache_a_hash_first():
+    """A request that computes `PROMPT` again and one block more caches a
+    third copy of the prompt's blocks and the first of its last: its
+    `BlockStored` lists that block alone, its parent the prompt's last hash."""
+    manager, _, _ = two_copies()
+    (prompt_stored,) = [e for e in manager.take_events() if isinstance(e, BlockStored)]
+    tail = list(range(100, 100 + BLOCK_SIZE))
+    request = make_request("c", PROMPT + tail, BLOCK_SIZE, sha256)
+    assert manager.allocate_slots(request, len(PROMPT) + BLOCK_SIZE) is not None
+
+    (stored,) = [e for e in manager.take_events() if isinstance(e, BlockStored)]
+    assert len(stored.block_hashes) == 1
+    assert stored.parent_block_hash == prompt_stored.block_hashes[-1]
+    assert list(stored.token_ids) == tail
+
+
 def test_removing_one_uncommitted_copy_emits_no_block_removed():
     """The same for an uncommitted entry removed exactly (its step never
     wrote its block): the hash stays cached under the other copy."""
