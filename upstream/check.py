@@ -230,8 +230,11 @@ def fuzz(tree_dir: Path | None, modes: str, seeds: int, env: dict, work: Path, n
     command = Path(sys.executable).parent / "vllm-prefix-guard"
     cmd = [str(command), "fuzz", "--seeds", str(seeds)]
     cmd += ["--modes", modes, "--json", "--shrink-seconds", "0"]
-    with open(out, "w") as stdout, open(work / f"{name}.log", "w") as stderr:
-        subprocess.run(cmd, env=env, cwd=ROOT, stdout=stdout, stderr=stderr)
+    log = work / f"{name}.log"
+    with open(out, "w") as stdout, open(log, "w") as stderr:
+        rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=stdout, stderr=stderr).returncode
+    if not out.stat().st_size:
+        raise RuntimeError(f"the fuzzer wrote no report (exit {rc}): {log}")
     document = json.loads(out.read_text())
     return {c["name"]: c for c in document["configs"]}
 
