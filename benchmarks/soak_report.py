@@ -5,7 +5,11 @@ Each ``benchmarks/results/soak-vllm-<X.Y>.md`` is a soak's own report, written b
 line saying where and how long it ran, the command, the per-configuration summary, the
 per-mode counters, the timings and every check. This script copies the first three into
 the block between ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` of ``--doc``, one
-section per vLLM release, each linking its full report. Standard library only.
+section per vLLM release, each linking its full report, with stock's bad reads on the
+release before (where that one was soaked) beside the release's own. A soak run in parts
+(``--config`` sets that together cover every configuration, each ``--out
+soak-vllm-<X.Y>-part<N>of<M>.md``) stands for the release once all M parts are there; its
+tables are merged. Standard library only.
 
 Usage::
 
@@ -26,15 +30,65 @@ BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 REPORT = re.compile(r"^soak-vllm-(\d+)\.(\d+)\.md$")
 
 
+#: One part of a release's soak: ``soak-vllm-<X.Y>-part<N>of<M>.md``.
+PART = re.compile(r"^soak-vllm-(\d+)\.(\d+)-part(\d+)of(\d+)\.md$")
+
+
 def release(report: Path) -> tuple[int, int] | None:
     """``(X, Y)`` of a release's soak report ``soak-vllm-X.Y.md``; None for any other file."""
     match = REPORT.match(report.name)
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def reports(results: Path) -> list[Path]:
-    found = [p for p in results.glob("soak-vllm-*.md") if release(p) is not None]
-    return sorted(found, key=lambda p: release(p) or (0, 0))
+def reports(results: Path) -> list[list[Path]]:
+    """Each soaked release's report, or its parts once all are there, oldest release first."""
+    by_release = {release(p): [p] for p in results.glob("soak-vllm-*.md") if release(p)}
+    parts: dict[tuple[int, int], dict[int, Path]] = {}
+    expected: dict[tuple[int, int], int] = {}
+    for path in results.glob("soak-vllm-*-part*of*.md"):
+        if match := PART.match(path.name):
+            key = (int(match.group(1)), int(match.group(2)))
+            parts.setdefault(key, {})[int(match.group(3))] = path
+            expected[key] = int(match.group(4))
+    for key, found in parts.items():
+        if key not in by_release and sorted(found) == list(range(1, expected[key] + 1)):
+            by_release[key] = [found[n] for n in sorted(found)]
+    return [by_release[key] for key in sorted(by_release, key=lambda k: k or (0, 0))]
+
+
+def bad_reads_column(table: list[str]) -> int | None:
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    return next((i for i, name in enumerate(header) if name.startswith("bad reads")), None)
+
+
+def stock_bad_reads(table: list[str]) -> dict[str, str]:
+    """Stock's bad reads per configuration (the first figure of the ``bad reads`` column)."""
+    column = bad_reads_column(table)
+    if column is None:
+        return {}
+    rows = (row.strip("|").split("|") for row in table[2:])
+    return {cells[0].split("(")[0].strip(): cells[column].split("/")[0].strip() for cells in rows}
+
+
+def beside(table: list[str], before: dict[str, str], version: str) -> list[str]:
+    """``table`` with stock's bad reads on ``version`` after its own bad-reads column."""
+    column = bad_reads_column(table)
+    if column is None or not before:
+        return table
+    column += 1
+    out = []
+    for n, row in enumerate(table):
+        cells = row.strip("|").split("|")
+        name = cells[0].split("(")[0].strip()
+        extra = (
+            f" stock's bad reads on {version} "
+            if n == 0
+            else "---:"
+            if n == 1
+            else f" {before.get(name, '-')} "
+        )
+        out.append("|" + "|".join([*cells[:column], extra, *cells[column:]]) + "|")
+    return out
 
 
 def summary(report: Path) -> tuple[str, str, list[str]]:
@@ -53,19 +107,30 @@ def block(results: Path, doc_dir: Path) -> str:
         "Written by `python benchmarks/soak_report.py --doc docs/fuzzing.md` from the soak "
         "reports in `benchmarks/results/` (`nox -s soak-<X.Y>` writes them and runs it).",
     ]
-    for report in reports(results):
-        heading, command, table = summary(report)
-        link = Path(os.path.relpath(report, doc_dir)).as_posix()
-        version = ".".join(str(n) for n in release(report) or ())
-        parts += [
-            "",
-            f"#### Soak on vLLM {version}",
-            "",
-            f"{heading} {command} Full report (per-mode counters, rollbacks by cause, ledger "
-            f"peaks, time per step, every check): [`{report.name}`]({link}).",
-            "",
-            *table,
-        ]
+    previous: tuple[str, dict[str, str]] | None = None
+    for files in reports(results):
+        summaries = [summary(report) for report in files]
+        table = [*summaries[0][2][:2], *(row for _, _, t in summaries for row in t[2:])]
+        match = PART.match(files[0].name)
+        version = (
+            f"{match.group(1)}.{match.group(2)}"
+            if match
+            else ".".join(str(n) for n in release(files[0]) or ())
+        )
+        parts += ["", f"#### Soak on vLLM {version}", ""]
+        what = (
+            "Full report (per-mode counters, rollbacks by cause, ledger peaks, time per step, "
+            "every check)"
+        )
+        for n, (heading, command, _) in enumerate(summaries):
+            link = Path(os.path.relpath(files[n], doc_dir)).as_posix()
+            part = f"Part {n + 1} of {len(files)}. " if len(files) > 1 else ""
+            parts += [f"{part}{heading} {command} {what}: [`{files[n].name}`]({link}).", ""]
+        if previous is not None:
+            before_version, before = previous
+            table = beside(table, before, before_version)
+        parts += table
+        previous = (version, stock_bad_reads(table))
     if len(parts) == 2:
         parts += ["", f"No soak report in {results}: run `nox -s soak-<X.Y>` first."]
     return "\n".join([*parts, END])

@@ -61,6 +61,45 @@ def test_soak_report_copies_each_release_summary(tmp_path: Path) -> None:
     assert "| fcfs-families | stock | 0 |" not in text  # the summary table only
 
 
+def soak_report_of(rows: dict[str, str]) -> str:
+    lines = [
+        "Soak: vLLM 0.34.0, 2 CPUs, 2 job(s), 10 s.",
+        "Command: `python -m vllm_prefix_guard.diagnostics.fuzz.soak --config x`",
+        "",
+        "| configuration | steps (per mode) | bad reads: stock / guard | checks |",
+        "|---|---:|---:|---|",
+        *(f"| {name} | 100 | {reads} / 0 | ok |" for name, reads in rows.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_soak_report_merges_a_release_soaked_in_parts_beside_the_release_before(
+    tmp_path: Path,
+) -> None:
+    """A release soaked in parts stands once every part is there, its tables merged, with
+    stock's bad reads on the release before beside its own."""
+    soak_report = load(ROOT / "benchmarks" / "soak_report.py")
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "soak-vllm-0.33.md").write_text(soak_report_of({"victim (targeted)": "7"}))
+    (results / "soak-vllm-0.34-part1of2.md").write_text(soak_report_of({"victim (targeted)": "9"}))
+    page = doc(tmp_path, "soak")
+    soak_report.update_doc(page, results)
+    assert "Soak on vLLM 0.34" not in page.read_text()  # one part of two: not its soak
+
+    (results / "soak-vllm-0.34-part2of2.md").write_text(soak_report_of({"new-path": "5"}))
+    soak_report.update_doc(page, results)
+    text = page.read_text()
+    section = text[text.index("#### Soak on vLLM 0.34") :]
+    assert "Part 1 of 2." in section and "Part 2 of 2." in section
+    assert (
+        "| configuration | steps (per mode) | bad reads: stock / guard "
+        "| stock's bad reads on 0.33 |" in section
+    )
+    assert "| victim (targeted) | 100 | 9 / 0 | 7 | ok |" in section
+    assert "| new-path | 100 | 5 / 0 | - | ok |" in section
+
+
 def test_vllm_suite_report_rewrites_the_rows_it_has_a_summary_for(tmp_path: Path) -> None:
     report = load(ROOT / "tests" / "vllm_suite" / "report.py")
     runs = tmp_path / "runs"
