@@ -322,7 +322,7 @@ def e2e_metrics(session: nox.Session) -> None:
 
 @nox.session(python=False, default=False)
 def quickstart(session: nox.Session) -> None:
-    """The README's CPU quick start, as pasted, in a scratch directory; 5-10 min, 3.4 GB."""
+    """The README's CPU quick start, as pasted, in a scratch directory; 4-10 min, 3.5 GB."""
     session.run(
         "bash", str(ROOT / "scripts" / "readme_quickstart.sh"), *session.posargs, external=True
     )
