@@ -296,6 +296,17 @@ def row(entry: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def reruns_sentence(reruns: list[str]) -> str:
+    """`` Re-run since: `CMD` (DATE); ...`` for the stages run again after the routine."""
+    if not reruns:
+        return ""
+    parts = []
+    for rerun in reruns:
+        command, _, date = rerun.rpartition(" (")
+        parts.append(f"`{command}` ({date}" if command else f"`{rerun}`")
+    return " Re-run since: " + "; ".join(parts) + "."
+
+
 def page_section(entry: dict[str, Any]) -> str:
     """The routine's block of the release's page: each stage's outcome and time."""
     lines = [
@@ -304,7 +315,7 @@ def page_section(entry: dict[str, Any]) -> str:
         "",
         f"`{entry['command']}` on {entry['date']} ({entry['cpus']} CPUs), "
         f"{total_seconds(entry) / 60:.0f} min; every figure: `benchmarks/results/releases.json`."
-        + "".join(f" Re-run since: `{rerun}`." for rerun in entry.get("reruns", [])),
+        + reruns_sentence(entry.get("reruns", [])),
         "",
         "| stage | outcome | wall time |",
         "|---|---|---:|",
