@@ -158,9 +158,7 @@ def run_pytest(
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format) on everything, mypy on src/; under a minute.
-
-    ruff (lint + format check) on everything, mypy on src/."""
+    """ruff (lint and format) on everything, mypy on src/; under a minute."""
     session.install("ruff>=0.6", "mypy>=1.10", "pytest", "types-requests")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -169,9 +167,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def package(session: nox.Session) -> None:
-    """The wheel and sdist build and pass twine check --strict; under a minute.
-
-    The release artefacts build and pass ``twine check``."""
+    """The wheel and sdist build and pass twine check --strict; under a minute."""
     session.install("build>=1.2", "twine>=5")
     out = session.create_tmp()
     session.run("python", "-m", "build", "--outdir", out, str(ROOT))

@@ -40,8 +40,8 @@ def release(report: Path) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def reports(results: Path) -> list[list[Path]]:
-    """Each soaked release's report, or its parts once all are there, oldest release first."""
+def reports(results: Path) -> list[tuple[tuple[int, int], list[Path]]]:
+    """Each soaked release and its report, or its parts once all are there, oldest first."""
     by_release = {release(p): [p] for p in results.glob("soak-vllm-*.md") if release(p)}
     parts: dict[tuple[int, int], dict[int, Path]] = {}
     expected: dict[tuple[int, int], int] = {}
@@ -53,12 +53,17 @@ def reports(results: Path) -> list[list[Path]]:
     for key, found in parts.items():
         if key not in by_release and sorted(found) == list(range(1, expected[key] + 1)):
             by_release[key] = [found[n] for n in sorted(found)]
-    return [by_release[key] for key in sorted(by_release, key=lambda k: k or (0, 0))]
+    return sorted((key, files) for key, files in by_release.items() if key is not None)
 
 
 def bad_reads_column(table: list[str]) -> int | None:
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     return next((i for i, name in enumerate(header) if name.startswith("bad reads")), None)
+
+
+def configuration(cells: list[str]) -> str:
+    """A row's configuration, without its ``(targeted)`` mark."""
+    return cells[0].split("(")[0].strip()
 
 
 def stock_bad_reads(table: list[str]) -> dict[str, str]:
@@ -67,7 +72,7 @@ def stock_bad_reads(table: list[str]) -> dict[str, str]:
     if column is None:
         return {}
     rows = (row.strip("|").split("|") for row in table[2:])
-    return {cells[0].split("(")[0].strip(): cells[column].split("/")[0].strip() for cells in rows}
+    return {configuration(cells): cells[column].split("/")[0].strip() for cells in rows}
 
 
 def beside(table: list[str], before: dict[str, str], version: str) -> list[str]:
@@ -79,14 +84,12 @@ def beside(table: list[str], before: dict[str, str], version: str) -> list[str]:
     out = []
     for n, row in enumerate(table):
         cells = row.strip("|").split("|")
-        name = cells[0].split("(")[0].strip()
-        extra = (
-            f" stock's bad reads on {version} "
-            if n == 0
-            else "---:"
-            if n == 1
-            else f" {before.get(name, '-')} "
-        )
+        if n == 0:
+            extra = f" stock's bad reads on {version} "
+        elif n == 1:
+            extra = "---:"
+        else:
+            extra = f" {before.get(configuration(cells), '-')} "
         out.append("|" + "|".join([*cells[:column], extra, *cells[column:]]) + "|")
     return out
 
@@ -108,15 +111,10 @@ def block(results: Path, doc_dir: Path) -> str:
         "reports in `benchmarks/results/` (`nox -s soak-<X.Y>` writes them and runs it).",
     ]
     previous: tuple[str, dict[str, str]] | None = None
-    for files in reports(results):
+    for (major, minor), files in reports(results):
+        version = f"{major}.{minor}"
         summaries = [summary(report) for report in files]
         table = [*summaries[0][2][:2], *(row for _, _, t in summaries for row in t[2:])]
-        match = PART.match(files[0].name)
-        version = (
-            f"{match.group(1)}.{match.group(2)}"
-            if match
-            else ".".join(str(n) for n in release(files[0]) or ())
-        )
         parts += ["", f"#### Soak on vLLM {version}", ""]
         what = (
             "Full report (per-mode counters, rollbacks by cause, ledger peaks, time per step, "

@@ -264,7 +264,7 @@ def figures(config: dict, mode: str) -> dict[str, int]:
         "kv_event_counted_keys_missing",
         "kv_event_counted_keys_extra",
     )
-    return {k: run_.get(k, 0) for k in (*keys, "steps", *events)}
+    return {k: run_[k] for k in (*keys, "steps", *events)}
 
 
 def parts_needed(config: Any) -> int:
