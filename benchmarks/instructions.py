@@ -23,9 +23,8 @@ Two subcommands::
         python benchmarks/instructions.py count 256-fcfs-nopressure-sync guard
 
 A column only this script has, ``graft``: the guard's scheduler hooks and pool mixin in
-place, but its step calls (``begin_step``, ``end_step``, ``not_computed``, ``commit_step``)
-do nothing, so no step record is ever open and the pool's overrides take their
-pass-through branch. ``graft``
+place, but its step calls (``begin_step``, ``end_step``, ``commit_step``) do nothing, so no
+step record is ever open and the pool's overrides take their pass-through branch. ``graft``
 against ``stock`` is the graft's own cost (the extra frames on vLLM's hot path); ``guard``
 against ``graft`` is the rules' work (recording, commit, attribution).
 
@@ -97,7 +96,7 @@ def idle_rules() -> None:
     def idle(self: Any, *args: Any) -> None:
         return None
 
-    for name in ("begin_step", "end_step", "not_computed", "commit_step"):
+    for name in ("begin_step", "end_step", "commit_step"):
         setattr(SchedulerGuard, name, idle)
 
 

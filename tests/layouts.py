@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload
 from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
 from vllm_prefix_guard.diagnostics.pool_index import cached_block_ids, keys_cached_twice
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
@@ -410,252 +410,45 @@ HYBRID_PARTIAL_ZOMBIE_STATE = Workload(
 )
 
 
-# A Mamba partial prefix-cache hit reads its state through a private copy of the block it
-# hit (``kv_cache_block_copies``, run before the forward pass). Found by construction:
-# x computes the prefix's attention KV (its state only at its chunk ends); d, a prefix of
-# x's prompt ending inside a state block, is dispatched with a checkpoint of its state at
-# 176 tokens and aborted while that step is in flight, and the worker leaves d out of it
-# (vLLM PR #56525's). r, admitted in the next step, hits x's attention KV and d's
-# never-written checkpoint through its copy: no bad block is in its block table.
-HYBRID_PARTIAL_HIT_THROUGH_A_COPY = Workload(
-    spec=dataclasses.replace(HYBRID_PARTIAL_ZOMBIE_STATE.spec, num_blocks=64, policy="fcfs"),
+# Async priority: r4 (lowest priority) is preempted by the arrivals of step 9 while a step
+# of its in flight samples the token that fills its block at 192 tokens; the preempting
+# schedule() registers that block (a block whose last token a step in flight samples is
+# registered one step late), and the preemption rule keeps the entry, tied to the step in
+# flight, which writes it. Shrunk from priority-phased-async seed 1 (vLLM 0.32) with the
+# rule's exception taken out (``every_preempted_entry_goes``): the guard then rolls back
+# that valid entry and reads nothing bad, a precision finding only the audit sees.
+PREEMPTED_WITH_ITS_BLOCK_WRITTEN_IN_FLIGHT = Workload(
+    spec=SchedulerSpec(
+        num_blocks=40,
+        max_model_len=4096,
+        policy="priority",
+        long_prefill_token_threshold=64,
+        async_scheduling=True,
+        kv_events=True,
+    ),
     depth=2,
-    drop_aborted=True,
     events=(
-        Arrive(0, "x", prompt=((1000, 200),), max_tokens=1),
-        Arrive(9, "d", prompt=((1000, 176),), max_tokens=5),
-        Abort(9, "d"),
-        Arrive(10, "r", prompt=((1000, 176), (6000, 30)), max_tokens=3),
-    ),
-)
-
-# The checkpoint a running request leaves inside a state block moves onto a copy when its
-# next step would overwrite the block (``move_block_hashes``, entry made on no request's
-# behalf). With three steps in flight (a batch queue three deep, as pipeline parallelism
-# keeps), p's first decode step moves the checkpoint of a prefill step the worker then
-# leaves out (p is aborted meanwhile): the moved entry names a state nobody wrote, and q
-# hits it after everything has committed.
-HYBRID_MOVED_CHECKPOINT = Workload(
-    spec=HYBRID_PARTIAL_HIT_THROUGH_A_COPY.spec,
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "x", prompt=((1000, 200),), max_tokens=1),
-        Arrive(7, "p", prompt=((1000, 176),), max_tokens=8),
-        Abort(7, "p"),
-        Arrive(17, "q", prompt=((1000, 176), (6000, 30)), max_tokens=3),
-    ),
-)
-
-
-# Three steps in flight: r1 is dispatched with 64 tokens (its state for 64 registered) and
-# aborted, and the worker leaves it out of that step. r2, the same prompt, is admitted in
-# the next step on a hit of r1's never-written state and computes a second chunk in the
-# step after, both dispatched before the output that leaves r1 out: the guard preempts r2
-# there and vLLM drops both of r2's outputs (the oracle counts neither step's reads; it
-# found the guard "reading" in the second one before it grew a pending report by what an
-# excused reader writes). Shrunk from hybrid-partial-retry-async-drop-depth3, vLLM 0.33
-# seed 0. Stock keeps r2 running on what it computed there.
-HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT = Workload(
-    spec=dataclasses.replace(
-        HYBRID_WRONG_STATE_0_33.spec, num_blocks=48, async_scheduling=True, mamba_block_multiple=4
-    ),
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 32), (2000, 93), (3000, 46)), max_tokens=1),
-        Arrive(3, "r1", prompt=((1000, 32), (2000, 93), (4000, 70)), max_tokens=1, priority=2),
-        Arrive(3, "r2", prompt=((1000, 32), (2000, 93), (4000, 70)), max_tokens=1, priority=2),
-        Abort(3, "r1"),
-    ),
-)
-
-
-# Three steps in flight: r0's second and third chunks are left out (r0 is aborted after its
-# first chunk's step is dispatched); the third chunk's step moved r0's checkpoint at 96
-# (never written: the second chunk's) onto a copy. r1, r0's prompt, is admitted before
-# either report on a hit of that checkpoint through a second copy, and samples its token
-# there. The guard preempts r1 at the first report and drops the token; stock delivers a
-# token computed over a never-written state. Shrunk from
-# hybrid-partial-retry-async-drop-depth3 at the soak's horizon (vLLM 0.33, seed 0).
-HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT = Workload(
-    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 32), (2000, 72)), max_tokens=1, priority=4),
-        Abort(0, "r0"),
-        Arrive(1, "r1", prompt=((1000, 32), (2000, 72)), max_tokens=1, priority=4),
-        Arrive(3, "r2", prompt=((1000, 32), (3000, 62)), max_tokens=1),
-    ),
-)
-
-
-# Three steps in flight: r0's last chunk (its state at 128 registered) is left out (r0 is
-# aborted while it runs). r1, r0's prompt then its own, is admitted on a hit of that state
-# and samples its token; before the report, vLLM's own priority preemption (hp arrives,
-# the pool is short) takes r1 back to the waiting queue, its token still in flight. At the
-# report the guard finds r1 no longer running: vLLM delivers a preempted request's
-# in-flight output unless told to drop it. The fuzzer's finding on
-# hybrid-partial-retry-async-drop-depth3 (vLLM 0.32 seed 1), rebuilt by hand.
-HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT = Workload(
-    spec=dataclasses.replace(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec, num_blocks=20),
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 32), (2000, 96)), max_tokens=1, priority=4),
-        Arrive(1, "r1", prompt=((1000, 32), (2000, 96), (5000, 8)), max_tokens=1, priority=4),
-        Abort(3, "r0"),
-        Arrive(3, "hp", prompt=((7000, 200),), max_tokens=1),
-    ),
-)
-
-
-# Three steps in flight: r0's second and third chunks are left out (r0 aborted). r1 and r2,
-# r0's prompt, are admitted on a hit of its never-written checkpoint at 80 (through copies)
-# before either report; the first report preempts both, their output dropped, so vLLM may
-# resume them at once: r1 resumes in the next step, from 64 tokens, and is aborted and
-# left out in turn. The report of the step that admitted r1 left r1 out too; r1's entries
-# of the step that resumed it (its state at 80 again) name tokens below where it started
-# in that first step, and were taken for computed before it. r2 resumes on a hit of that
-# state. Shrunk from hybrid-partial-retry-async-drop-depth3 (vLLM 0.32, seed 0).
-HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT = Workload(
-    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 32), (2000, 57)), max_tokens=1),
-        Arrive(0, "r1", prompt=((1000, 32), (2000, 57)), max_tokens=1),
-        Abort(2, "r0"),
-        Arrive(3, "r2", prompt=((1000, 32), (2000, 57)), max_tokens=1),
-        Abort(4, "r1"),
-    ),
-)
-
-
-# Was an imprecision (not a bad read): r9 is left out of the step that admits it, and its
-# state entry at 64 (block 24) was already stale when the rollback removed it: the block had
-# been freed with r9 and, in the next step, received a copy of r10's checkpoint at 32 (a
-# clean copy, r10 computed). r4 resumes after that on a partial hit through a copy of block
-# 24: it reads r10's valid state, but the walk takes a copy from any block it names bad as
-# bad, so r4 is preempted and its 3 entries of that step rolled back, all valid. Shrunk from
-# hybrid-partial-retry-async-drop-depth3 (vLLM 0.32, seed 7) by the rollback audit. The walk
-# now reads a stale bad block that a later step rewrote cleanly as its new content.
-HYBRID_STALE_COPY_SOURCE_REWRITTEN = Workload(
-    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 121), (2000, 81)), max_tokens=4),
-        Arrive(4, "r1", prompt=((3000, 32), (4000, 146), (5000, 96)), max_tokens=1),
-        Arrive(6, "r2", prompt=((3000, 32), (6000, 64), (7000, 54)), max_tokens=1, priority=2),
-        Arrive(7, "r3", prompt=((3000, 32), (6000, 64), (8000, 72)), max_tokens=17),
-        Arrive(8, "r4", prompt=((3000, 32), (9000, 122), (10000, 66)), max_tokens=8, priority=1),
-        Arrive(9, "r5", prompt=((3000, 32), (11000, 34)), max_tokens=11),
-        Arrive(18, "r6", prompt=((3000, 32), (4000, 146), (12000, 27)), max_tokens=5),
-        Arrive(18, "r7", prompt=((3000, 32), (4000, 146), (12000, 27)), max_tokens=5),
-        Arrive(18, "r8", prompt=((3000, 32), (13000, 60)), max_tokens=6),
-        Arrive(22, "r9", prompt=((3000, 32), (9000, 122), (14000, 80)), max_tokens=1),
-        Arrive(23, "r10", prompt=((3000, 32), (15000, 13)), max_tokens=1),
-        Abort(26, "r9"),
-    ),
-)
-
-
-# The rollback audit's second finding in that soak (vLLM 0.33, seed 3), shrunk by it: r43
-# is left out of the step that admits it (aborted in flight), so its state entry of that
-# step is never written; the block still holds the state a twin with the same prefix left.
-# r44, its retry, is admitted on a hit of that entry while the step is in flight and reads
-# the twin's bytes: right by that chance only (a zeroed block would be wrong). The guard
-# preempts r44 and removes what it computed; the audit counts that as needed (leftover),
-# not as valid KV rolled back.
-HYBRID_TWIN_STATE_UNDER_A_LEFT_OUT_ENTRY = Workload(
-    spec=HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec,
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 32), (2000, 134)), max_tokens=1, priority=2),
-        Arrive(2, "r1", prompt=((1000, 32), (3000, 143), (4000, 59)), max_tokens=19),
-        Arrive(13, "r2", prompt=((1000, 32), (5000, 70), (6000, 60)), max_tokens=1),
-        Arrive(17, "r3", prompt=((1000, 32), (7000, 17)), max_tokens=8),
-        Arrive(18, "r4", prompt=((1000, 32), (3000, 143), (8000, 95)), max_tokens=20, priority=1),
-        Arrive(18, "r5", prompt=((1000, 32), (3000, 143), (8000, 95)), max_tokens=20, priority=1),
-        Arrive(20, "r6", prompt=((1000, 32), (5000, 70), (9000, 28)), max_tokens=17),
-        Arrive(21, "r7", prompt=((1000, 32), (10000, 165), (11000, 45)), max_tokens=12),
-        Arrive(21, "r8", prompt=((1000, 32), (10000, 165)), max_tokens=12),
-        Arrive(22, "r9", prompt=((1000, 32), (10000, 165), (11000, 45)), max_tokens=12),
-        Arrive(22, "r10", prompt=((1000, 32), (12000, 78), (13000, 22)), max_tokens=23),
-        Arrive(26, "r11", prompt=((1000, 32), (3000, 143), (14000, 79)), max_tokens=23),
-        Arrive(28, "r12", prompt=((1000, 32), (12000, 78)), max_tokens=24),
-        Arrive(28, "r13", prompt=((1000, 32), (12000, 78)), max_tokens=24),
-        Arrive(28, "r14", prompt=((1000, 32), (12000, 78), (15000, 70)), max_tokens=1),
-        Arrive(28, "r15", prompt=((1000, 32), (12000, 78), (15000, 69)), max_tokens=24),
-        Arrive(30, "r16", prompt=((3000, 143), (16000, 93)), max_tokens=2, priority=1),
-        Arrive(46, "r17", prompt=((1000, 32), (12000, 78)), max_tokens=1, priority=1),
-        Arrive(52, "r18", prompt=((1000, 32), (17000, 168)), max_tokens=3, priority=1),
-        Arrive(100, "r19", prompt=((1000, 32), (18000, 19)), max_tokens=4),
-        Arrive(100, "r20", prompt=((1000, 32), (19000, 30)), max_tokens=3),
-        Arrive(102, "r21", prompt=((1000, 32), (3000, 143), (20000, 69)), max_tokens=24),
-        Arrive(102, "r22", prompt=((1000, 32), (21000, 49)), max_tokens=18),
-        Arrive(106, "r23", prompt=((1000, 32), (22000, 100)), max_tokens=2),
-        Arrive(108, "r24", prompt=((1000, 32), (23000, 74)), max_tokens=8),
-        Arrive(113, "r25", prompt=((1000, 32), (24000, 46)), max_tokens=1, priority=1),
-        Arrive(114, "r26", prompt=((1000, 32), (25000, 60)), max_tokens=19),
-        Arrive(114, "r27", prompt=((1000, 32), (5000, 70), (26000, 70)), max_tokens=7, priority=1),
-        Arrive(115, "r28", prompt=((1000, 32), (12000, 78), (27000, 18)), max_tokens=6),
-        Arrive(117, "r29", prompt=((1000, 32), (12000, 78), (28000, 65)), max_tokens=22),
-        Arrive(131, "r30", prompt=((1000, 32), (10000, 165), (29000, 29)), max_tokens=6),
-        Arrive(137, "r31", prompt=((1000, 32), (3000, 143), (30000, 58)), max_tokens=15),
-        Arrive(137, "r32", prompt=((1000, 32), (10000, 165), (31000, 32)), max_tokens=16),
-        Arrive(
-            139, "r33", prompt=((1000, 32), (12000, 78), (32000, 62)), max_tokens=16, priority=1
+        Arrive(0, "r0", prompt=((1000, 116), (2000, 29)), max_tokens=1),
+        Arrive(3, "r1", prompt=((3000, 138),), max_tokens=20),
+        Arrive(4, "r2", prompt=((1000, 116), (4000, 35)), max_tokens=19),
+        Arrive(6, "r3", prompt=((5000, 30),), max_tokens=12),
+        Arrive(7, "r4", prompt=((3000, 138), (6000, 48)), max_tokens=15, priority=5),
+        *(
+            Arrive(9, f"r{i}", prompt=((7000, 66), (8000, 10)), max_tokens=5 if i == 5 else 10)
+            for i in (5, 6, 7, 8)
         ),
-        Arrive(145, "r34", prompt=((1000, 32), (33000, 20)), max_tokens=13),
-        Arrive(150, "r35", prompt=((1000, 32),), max_tokens=4),
-        Arrive(155, "r36", prompt=((1000, 32), (34000, 113)), max_tokens=5),
-        Arrive(156, "r37", prompt=((1000, 32), (34000, 92)), max_tokens=4),
-        Arrive(200, "r38", prompt=((1000, 32), (35000, 4)), max_tokens=6),
-        Arrive(203, "r39", prompt=((1000, 32), (36000, 21)), max_tokens=12),
-        Reset(203),
-        Arrive(205, "r40", prompt=((1000, 32), (5000, 70), (37000, 77)), max_tokens=1, priority=1),
-        Arrive(205, "r41", prompt=((1000, 32), (3000, 143), (38000, 93)), max_tokens=10),
-        Arrive(205, "r42", prompt=((1000, 32), (39000, 154), (40000, 6)), max_tokens=8),
-        Arrive(215, "r43", prompt=((1000, 32), (3000, 143), (41000, 68)), max_tokens=1),
-        Abort(217, "r43"),
-        Arrive(218, "r44", prompt=((1000, 32), (3000, 143), (41000, 68)), max_tokens=1),
     ),
 )
 
 
-# Was an imprecision (not a bad read): r0 and r1 compute their first chunks in one step. In
-# the next, r0's second chunk needs blocks and r1 (lower priority) is preempted, its blocks
-# handed to r0. r0 is aborted with both steps in flight and its worker leaves it out of both.
-# The not-computed rule moves r0's entries of the second step into the first step's record,
-# onto blocks r1 registered there; it then rolled back every request of that step with an
-# entry on one of those blocks as a loader, r1 included: r1's state at 64, which the first
-# step wrote, went with it. The rule now names its loaders (the requests left out). Shrunk
-# by hand, from the trace of hybrid-partial-retry-async-drop-depth3-sparse (vLLM 0.33, seed 1
-# at the soak's horizon: r1409's state at 128).
-HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS = Workload(
-    spec=dataclasses.replace(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT.spec, num_blocks=12),
-    depth=3,
-    drop_aborted=True,
-    events=(
-        Arrive(0, "r0", prompt=((1000, 256),), max_tokens=1),
-        Arrive(1, "r1", prompt=((2000, 80),), max_tokens=4, priority=1),
-        Abort(2, "r0"),
-    ),
-)
+def every_preempted_entry_goes(monkeypatch: Any) -> None:
+    """Take the preemption rule's exception out: every entry the open step registered for
+    a request preempted in it goes, those a step in flight writes included."""
+    from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
+    rollback_preempted = UncommittedPrefixCache.rollback_preempted
 
-def any_holder_is_a_loader(monkeypatch: Any) -> None:
-    """Put back the not-computed rule as it was before it named its loaders: every request
-    of the reporting step with an entry on one of the rule's blocks is a loader."""
-    from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
+    def all_of_them(self: Any, req_id: str, num_written_tokens: int) -> None:
+        rollback_preempted(self, req_id, 0)
 
-    remove_loaders = FailedKVLoads._remove_loaders
-
-    def by_block(self: Any, output: Any, entries: Any, blocks: Any, loaders: Any) -> Any:
-        return remove_loaders(self, output, entries, blocks, None)
-
-    monkeypatch.setattr(FailedKVLoads, "_remove_loaders", by_block)
+    monkeypatch.setattr(UncommittedPrefixCache, "rollback_preempted", all_of_them)

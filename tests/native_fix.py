@@ -34,10 +34,6 @@ METHODS: dict[str, Any] = {
     "reset": lambda self: None,
     "written": lambda self: None,
     "rollback_preempted": lambda self, req_id, num_written_tokens: None,
-    "rollback_failed_loads": (
-        lambda self, output, invalid_block_ids, running_req_ids, loader_req_ids=None: None
-    ),
-    "gather_not_computed": lambda self, scheduler_output, computed_req_ids: {},
 }
 
 
@@ -52,14 +48,11 @@ def simulate_native_fix(
     """Give stock vLLM the series' API: an ``UncommittedPrefixCache`` with ``methods``
     (default: :data:`METHODS`), ``BlockPool.remove_uncommitted_entry`` (None: absent),
     if ``wired`` ``Scheduler.uncommitted_prefix_cache``, and if ``failed_kv_loads`` its
-    part 2: ``FailedKVLoads.reads_bad_kv`` and ``drop_stale_output`` and
-    ``KVCacheManager.rewind_num_cached_blocks`` (without it, ``rollback_failed_loads`` is
-    left out of the default methods too), and
-    if ``kv_events`` its part 3: ``BlockPool.uncached_block_hashes``."""
+    part 2: ``FailedKVLoads.roll_back``, ``reads_bad_kv`` and ``drop_stale_output`` and
+    ``KVCacheManager.rewind_num_cached_blocks``, and if ``kv_events`` its part 3:
+    ``BlockPool.uncached_block_hashes``."""
     if methods is None:
         methods = dict(METHODS)
-        if not failed_kv_loads:
-            del methods["rollback_failed_loads"]
     module = types.ModuleType(targets.UNCOMMITTED)
     module.UncommittedPrefixCache = type(  # type: ignore[attr-defined]
         "UncommittedPrefixCache", (), dict(methods)
@@ -71,6 +64,7 @@ def simulate_native_fix(
             "FailedKVLoads",
             (),
             {
+                "roll_back": lambda self, scheduler_output, invalid_block_ids: None,
                 "reads_bad_kv": lambda self, request: False,
                 "drop_stale_output": lambda self, requests: 0,
             },

@@ -5,15 +5,12 @@ mode (``SchedulerSpec(mamba_align=True)``); the shadow worker keeps, per state b
 prefix's state it holds, and checks the state every step starts from (a prefix hit
 resumes from the block registered for the hit). These tests pin that the oracle follows
 state through valid hits without a false alarm, and that it sees a resume from a state
-that was never written: the shape of vLLM PR #56525's report (async scheduling, an
-aborted prefill retried at once, a worker that leaves the aborted request out of the step
-already dispatched), which the guard closes by trusting the step's output: a request the
-output leaves out is rolled back as a failed KV load.
+that was never written or holds another prefix's (the priority-preemption zombie on a
+state block), both ways.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from functools import wraps
 from typing import Any
 
@@ -22,44 +19,28 @@ import vllm
 
 from guard_demo import hybrid_engine_proof
 from layouts import (
-    HYBRID_MOVED_CHECKPOINT,
-    HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
     HYBRID_PARTIAL_ZOMBIE_STATE,
-    HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
-    HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT,
-    HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT,
-    HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
     HYBRID_SPARSE_ZOMBIE_CHECKPOINT,
     HYBRID_WRONG_STATE_0_33,
 )
-from native_fix import guard_only
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
 from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult, run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload, expand
-from vllm_prefix_guard.diagnostics.shadow_kv import (
-    NEVER_WRITTEN,
-    OUTPUT_OVER_BAD_KV,
-    STATE_NEVER_WRITTEN,
-    STATE_WRONG_CONTENT,
-    Driver,
-)
-from vllm_prefix_guard.hooks import guard_of
-from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
-from vllm_prefix_guard.scheduler_guard import SchedulerGuard
+from vllm_prefix_guard.diagnostics.shadow_kv import STATE_NEVER_WRITTEN, STATE_WRONG_CONTENT, Driver
 
 PROMPT = list(range(1, 161))  # ten 16-token blocks: prefilled in 64-token chunks
 
 
-def retried_abort(drop_aborted: bool) -> Driver:
+def retried_abort() -> Driver:
     """A's first 64 tokens are dispatched (its state for 64 registered), A is aborted
     while that step is in flight and retried at once with the same prompt."""
     scheduler = make_scheduler(
         num_blocks=64, mamba_align=True, async_scheduling=True, max_num_batched_tokens=64
     )
-    driver = Driver(scheduler, depth=2, drop_aborted=drop_aborted)
+    driver = Driver(scheduler, depth=2)
     driver.add(make_request("A", PROMPT, max_tokens=4))
     driver.schedule()
     driver.abort("A", at_once=True)
@@ -86,51 +67,9 @@ def test_state_follows_valid_hits(mode: str) -> None:
 def test_retry_of_an_aborted_prefill_resumes_from_its_state(mode: str) -> None:
     """vLLM's runners compute the aborted request's dispatched step: the retry's hit on
     its state is valid."""
-    driver = retried_abort(drop_aborted=False)
+    driver = retried_abort()
     assert driver.hit_tokens > 0 and driver.worker.states[0].resumed_from_hits > 0
     assert driver.violations == 0, dict(driver.kv.counts)
-
-
-def test_oracle_sees_a_resume_from_never_written_state() -> None:
-    """A worker that drops the aborted request: the KV and state registered for its 64
-    tokens are never written. The retry's step dispatched before A's step reported
-    (its output leaves A out) is the known loss of that report, as a failed load's; in
-    every later step stock's retry computes on: it reads the never-written KV, and
-    resumes from the state it computed over A's never-written one (stock vLLM)."""
-    driver = retried_abort(drop_aborted=True)
-    assert driver.kv.counts[NEVER_WRITTEN] > 0 and driver.kv.counts[STATE_WRONG_CONTENT] > 0
-    assert {v.request_id for v in driver.kv.violations} == {"A-retry"}
-    assert min(v.step for v in driver.kv.violations) == 2
-
-
-def test_a_request_the_output_leaves_out_is_rolled_back(mode: str) -> None:
-    """The same worker, both ways: stock's retry computes on over A's never-written KV
-    and state; the guard sees A missing from its step's output, removes what that step
-    registered for A and preempts the retry, which was admitted on A's KV and state in
-    the step in flight after it (its output of that step is dropped, it recomputes, and
-    reads nothing bad)."""
-    driver = retried_abort(drop_aborted=True)
-    if mode == "stock":
-        assert driver.kv.counts[NEVER_WRITTEN] > 0
-        return
-    assert driver.violations == 0, dict(driver.kv.counts)
-    guard = guard_of(driver.scheduler)
-    if guard is None:  # vLLM's own fix (the upstream series): no counters to read
-        return
-    assert guard.stats.rolled_back_not_computed > 0
-    assert guard.stats.dependents_preempted == 1
-
-
-@guard_only("it takes the not-computed rule out of the guard")
-def test_the_guard_without_its_not_computed_rule_reads_never_written_kv(
-    guard: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The rule's teeth: the guard that committed a step's record whole (before the rule)
-    lets the retry compute on over A's never-written KV and state, as stock does."""
-    monkeypatch.setattr(SchedulerGuard, "not_computed", lambda self, output, result: None)
-    driver = retried_abort(drop_aborted=True)
-    assert driver.kv.counts[NEVER_WRITTEN] > 0 and driver.kv.counts[STATE_WRONG_CONTENT] > 0
-    assert {v.request_id for v in driver.kv.violations} == {"A-retry"}
 
 
 def cached_states_not_held(driver: Driver, expected: dict[Any, int]) -> int:
@@ -243,103 +182,6 @@ def test_no_resume_from_an_own_zombie_state_block(mode: str) -> None:
         assert result.violations == 0, result.examples[:5]
 
 
-#: Layouts where a state is read through a block copy: who reads it wrong without the
-#: rule, and the bad reads then (starts from a wrong state, all), as on vLLM 0.32 and 0.33.
-THROUGH_A_COPY = {
-    "reader": (HYBRID_PARTIAL_HIT_THROUGH_A_COPY, "r", (3, 128)),
-    "moved-checkpoint": (HYBRID_MOVED_CHECKPOINT, "q", (5, 178)),
-}
-
-
-@pytest.mark.parametrize("layout", THROUGH_A_COPY)
-def test_a_state_read_through_a_copy_is_its_source(mode: str, layout: str) -> None:
-    """A block a step copies holds what its source held, so the not-computed rollback
-    (a failed load's walk) follows copies: a partial hit whose state comes through a copy
-    of a never-written checkpoint reads bad state, though its block table names no bad
-    block (``reader``), and a checkpoint moved onto a copy names what its source held
-    (``moved-checkpoint``, three steps in flight). Stock vLLM 0.32/0.33 reads the
-    never-written state; the guard preempts the reader, or removes the moved entry."""
-    workload, reader, bad_reads = THROUGH_A_COPY[layout]
-    result = run_partial_state_layout(workload, mode)
-    if mode == "stock":
-        assert (result.bad_state_reads, result.violations) == bad_reads
-        assert {request_id for _, request_id, *_ in result.examples} == {reader}
-    else:
-        assert result.violations == 0, result.examples[:5]
-
-
-@guard_only("it takes the copy rule out of the guard's failed-load walk")
-@pytest.mark.parametrize("layout", THROUGH_A_COPY)
-def test_the_guard_without_its_copy_rule_reads_bad_state(
-    guard: None, monkeypatch: pytest.MonkeyPatch, layout: str
-) -> None:
-    """The rule's teeth: a walk that reads no ``kv_cache_block_copies`` lets the same
-    request read the never-written state, as stock does."""
-    monkeypatch.setattr(FailedKVLoads, "_copied_from_bad", lambda self, output: {})
-    workload, reader, bad_reads = THROUGH_A_COPY[layout]
-    result = run_partial_state_layout(workload, "guard")
-    assert (result.bad_state_reads, result.violations) == bad_reads
-    assert {request_id for _, request_id, *_ in result.examples} == {reader}
-
-
-def test_a_reader_preempted_with_two_steps_in_flight_reads_nothing_after(mode: str) -> None:
-    """Three steps in flight: the reader of a never-written state computes in two steps
-    dispatched before the output that leaves the writer out. The guard preempts it there
-    (vLLM drops both outputs: the oracle counts neither step's reads); stock keeps it running
-    on what it computed (vLLM 0.32 and 0.33: 129 bad reads, 1 from a wrong state)."""
-    result = run_partial_state_layout(HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT, mode)
-    if mode == "stock":
-        assert (result.bad_state_reads, result.violations) == (1, 129)
-        assert {request_id for _, request_id, *_ in result.examples} == {"r2"}
-    else:
-        assert result.violations == 0, result.examples[:5]
-
-
-def test_a_token_sampled_over_a_moved_never_written_checkpoint_is_dropped(mode: str) -> None:
-    """A read a pending report excuses is vLLM's known loss only if vLLM recomputes it: the
-    retry reads a never-written checkpoint through two copies in a step dispatched before
-    the reports and samples its last token there. The guard preempts it at the report
-    (the token dropped); stock delivers it (vLLM 0.32 and 0.33)."""
-    result = run_partial_state_layout(HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT, mode)
-    if mode == "stock":
-        assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
-        assert result.examples == [(3, "r1", -1, -1, OUTPUT_OVER_BAD_KV)]
-    else:
-        assert result.violations == 0, result.examples[:5]
-
-
-def test_a_reader_vllm_preempted_before_the_report_has_its_token_dropped(mode: str) -> None:
-    """The reader of a never-written state is preempted by vLLM itself (priority) after
-    its step is dispatched and before the report that leaves the writer out: no longer
-    running, it is not the guard's to preempt, and vLLM would deliver its token as the
-    stale output of a preempted request. The guard sets that output to drop (vLLM 0.32
-    and 0.33: stock delivers it, and so did the guard before)."""
-    result = run_partial_state_layout(HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT, mode)
-    if mode == "stock":
-        assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
-        assert result.examples == [(3, "r1", -1, -1, OUTPUT_OVER_BAD_KV)]
-        assert result.preemptions == 1
-    else:
-        assert result.violations == 0, result.examples[:5]
-        assert result.dependents_preempted == 1
-
-
-def test_a_retry_resumed_in_flight_and_left_out_again_is_rolled_back(mode: str) -> None:
-    """A reader the guard preempts (its output dropped) may resume in the next step, from
-    fewer tokens, while the step that admitted it is still in flight; aborted and left out
-    of both, its entries of the resuming step name tokens it computes again there. The
-    report of the first step must take them for unwritten, not for computed before it
-    (vLLM 0.32 and 0.33: the guard committed that never-written state, and a second retry
-    resumed on it; stock delivers a token over bad state earlier)."""
-    result = run_partial_state_layout(HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT, mode)
-    if mode == "stock":
-        assert (result.outputs_over_bad_kv, result.violations) == (1, 1)
-        assert result.examples == [(3, "r2", -1, -1, OUTPUT_OVER_BAD_KV)]
-    else:
-        assert result.violations == 0, result.examples[:5]
-        assert result.dependents_preempted == 3
-
-
 def test_no_resume_from_an_own_zombie_checkpoint_under_default_retention(mode: str) -> None:
     """The fuzzer's stock finding on ``hybrid-partial-victim-sparse`` (vLLM 0.32 seed 1),
     shrunk: under an engine's default prefix-cache retention (interval 0) a prompt leaves
@@ -370,39 +212,6 @@ def test_engine_sized_zombie_checkpoint_under_default_retention(mode: str) -> No
             assert result.violations == 0
             return
         assert result.examples[0] == (6, "r3", 256, 15, STATE_NEVER_WRITTEN), result.examples[:3]
-    else:
-        assert result.violations == 0, result.examples[:5]
-
-
-#: The regression layouts above whose failure stock keeps under an engine's default
-#: prefix-cache retention (interval 0), with as many bad reads as with every state retained
-#: (vLLM 0.32 and 0.33). The zombie layouts of chunk ends that are no prompt's checkpoint
-#: (``HYBRID_PARTIAL_ZOMBIE_STATE``, ``HYBRID_WRONG_STATE_0_33``,
-#: ``HYBRID_READER_PREEMPTED_BEFORE_THE_REPORT``) read nothing bad there: that retention
-#: never registers those states.
-UNDER_DEFAULT_RETENTION = {
-    "reader-through-a-copy": HYBRID_PARTIAL_HIT_THROUGH_A_COPY,
-    "moved-checkpoint": HYBRID_MOVED_CHECKPOINT,
-    "reader-in-two-steps-in-flight": HYBRID_READER_IN_TWO_STEPS_IN_FLIGHT,
-    "retry-through-a-moved-checkpoint": HYBRID_RETRY_THROUGH_A_MOVED_CHECKPOINT,
-    "retry-resumed-while-left-out": HYBRID_RETRY_RESUMED_WHILE_LEFT_OUT,
-}
-
-
-@pytest.mark.parametrize("layout", UNDER_DEFAULT_RETENTION)
-def test_failure_shapes_under_an_engines_default_retention(mode: str, layout: str) -> None:
-    """An engine keeps fewer states by default than a ``KVCacheConfig`` built by hand (its
-    ``prefix_cache_retention_interval`` is 0, not dense): the failed-load, dropped-step and
-    copy shapes reach stock there all the same, as many bad reads as with every state
-    retained, and the guard reads nothing bad."""
-    workload = UNDER_DEFAULT_RETENTION[layout]
-    sparse = dataclasses.replace(
-        workload, spec=dataclasses.replace(workload.spec, retention_interval=0)
-    )
-    result = run_partial_state_layout(sparse, mode)
-    if mode == "stock":
-        dense = run_partial_state_layout(workload, mode)
-        assert result.violations == dense.violations > 0, result.examples[:5]
     else:
         assert result.violations == 0, result.examples[:5]
 

@@ -173,7 +173,7 @@ def test_upstream_fix_present_skips_the_guard(
     assert not plugin.is_applied()
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
     assert sum("already ships its own fix" in line for line in guard_log) == 1
-    assert "UncommittedPrefixCache.rollback_failed_loads" in targets.upstream_fix()  # type: ignore[operator]
+    assert "FailedKVLoads.roll_back" in targets.upstream_fix()  # type: ignore[operator]
 
 
 HALF_SIMILAR: dict[str, dict[str, Any]] = {
@@ -186,9 +186,6 @@ HALF_SIMILAR: dict[str, dict[str, Any]] = {
     "not wired into the scheduler": {"wired": False},
     "the commit fence without the failed-load rollback": {"failed_kv_loads": False},
     "parts 1-2 without the KV-event rule": {"kv_events": False},
-    "parts 1-3 without the not-computed rule": {
-        "methods": {k: v for k, v in METHODS.items() if k != "gather_not_computed"}
-    },
 }
 
 

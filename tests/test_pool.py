@@ -21,6 +21,7 @@ from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.errors import GuardUnsupportedError
 from vllm_prefix_guard.hooks import guard_of
 from vllm_prefix_guard.pool import PrefixGuardPool, graft
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
 
@@ -85,8 +86,7 @@ def test_rolling_back_a_duplicate_keeps_committed_siblings(guard: None) -> None:
     fresh = pool.get_new_blocks(2)
     pool.cache_full_blocks(z, fresh, 0, 2, 16, 0)
     assert key in {block.block_hash for block in fresh}
-    guard.preempted(z)
-    guard.begin_step()  # the step never ran: what is left of it goes when the next begins
+    guard.preempted(z)  # nothing computed: every entry of its step goes
     assert all(block.block_hash is None for block in fresh)
     assert all(sibling.block_hash == key for sibling in siblings)
     assert _hit(pool, key) in siblings
@@ -134,7 +134,8 @@ def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
             break
     b = make_request("b", list(range(1, 17)))
     pool.cache_full_blocks(b, [block], 0, 1, 16, 0)
-    rollback = rules.rollback_failed_loads(output, {block.block_id}, set())
+    rollback = FailedKVLoads(rules)
+    rollback.roll_back(output, {block.block_id})
     assert rollback.loaders == {"a": {block.block_id}}
     assert block.block_hash is not None  # b's registration survives
     assert pool.guard_stale == 1
@@ -264,7 +265,8 @@ def test_a_partial_key_registered_again_since_is_not_rolled_back() -> None:
     pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
     again = pool.cache_partial_block(request, block, 16, 0, 32)
     assert again == recorded and again is not recorded
-    rollback = rules.rollback_failed_loads(output, {block.block_id}, set())
+    rollback = FailedKVLoads(rules)
+    rollback.roll_back(output, {block.block_id})
     assert rollback.loaders == {"r": {block.block_id}}
     assert pool.cached_block_hash_to_block.contain(again, block.block_id)
     assert pool.guard_stale == 1
@@ -287,10 +289,10 @@ def test_preemption_keeps_entries_its_dispatched_steps_write() -> None:
     rules.rollback_preempted("r", num_written_tokens=32)
     assert [b.block_hash is not None for b in blocks] == [True, True, False]
     assert pool.guard_removed == 1
-    rules.begin_step()  # the open step never ran (its schedule() raised): undone here
-    assert blocks[0].block_hash is not None  # no longer in the abandoned (open) step
-    assert rules.num_uncommitted_entries == 2
-    rules.rollback_failed_loads(in_flight, {blocks[0].block_id}, set())
+    rules.end_step(failed_step())
+    assert blocks[0].block_hash is not None
+    assert sum(len(e) for _, step in rules.steps_in_flight() for e in step.values()) == 2
+    FailedKVLoads(rules).roll_back(in_flight, {blocks[0].block_id})
     assert all(b.block_hash is None for b in blocks)
 
 

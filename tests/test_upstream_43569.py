@@ -156,7 +156,7 @@ def test_reset_prefix_cache_clears_the_records(guard: None) -> None:
     assert scheduler_guard is not None and scheduler_guard.rules.num_steps_in_flight >= 1
     assert scheduler.reset_prefix_cache(reset_running_requests=True)
     rules = scheduler_guard.rules
-    assert rules.num_steps_in_flight == 0 and rules.num_uncommitted_entries == 0
+    assert rules.num_steps_in_flight == 0 and not rules.steps_in_flight()
     driver.run()
     assert driver.violations == 0 and scheduler_guard.is_idle
 

@@ -240,13 +240,6 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
     ),
     Edit(
         SCHEDULER,
-        """from collections.abc import Iterable
-""",
-        """from collections.abc import Collection, Iterable
-""",
-    ),
-    Edit(
-        SCHEDULER,
         """        # Every GPU write enqueued by this and earlier steps has completed, so it is
         # safe to return deferred-free blocks to the pool.
 """,
@@ -287,23 +280,15 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
         """        return engine_core_outputs
 
     def _roll_back_bad_kv(
-        self,
-        scheduler_output: SchedulerOutput,
-        bad_block_ids: set[int],
-        loader_req_ids: Collection[str] | None = None,
+        self, scheduler_output: SchedulerOutput, bad_block_ids: set[int]
     ) -> FailedKVLoads:
-        \"\"\"Remove the entries of `bad_block_ids` (of `loader_req_ids` only, if
-        given) and of the KV computed over them in this and every later step in
-        flight; a reader vLLM preempted since has its output in flight over bad
-        KV, which is dropped.
+        \"\"\"Remove the entries of `bad_block_ids` and of the KV computed over
+        them in this and every later step in flight; a reader vLLM preempted
+        since has its output in flight over bad KV, which is dropped.
         \"\"\"
         assert self.uncommitted_prefix_cache is not None
-        failed_kv_loads = self.uncommitted_prefix_cache.rollback_failed_loads(
-            scheduler_output,
-            bad_block_ids,
-            {request.request_id for request in self.running},
-            loader_req_ids,
-        )
+        failed_kv_loads = FailedKVLoads(self.uncommitted_prefix_cache)
+        failed_kv_loads.roll_back(scheduler_output, bad_block_ids)
         failed_kv_loads.drop_stale_output(self.requests)
         return failed_kv_loads
 
@@ -489,37 +474,5 @@ from vllm.distributed.kv_events import (
         for block_hash in self.uncached_block_hashes(block_hashes):
             self.kv_event_queue.append(
                 BlockRemoved(""",
-    ),
-)
-
-#: Part 4, requests an output leaves out: a worker that drops a request from a step it
-#: was given (one aborted meanwhile) writes none of the KV or state the step registered
-#: for it. Before vLLM reads the output, its entries go as a failed load's, and the
-#: readers are preempted then, so that vLLM drops their output of this step too.
-NOT_COMPUTED: tuple[Edit, ...] = (
-    Edit(
-        SCHEDULER,
-        """                scheduler_output, kv_connector_output.invalid_block_ids
-            )
-
-        # Every GPU write enqueued by this and earlier steps has completed, so it is
-""",
-        """                scheduler_output, kv_connector_output.invalid_block_ids
-            )
-        if self.uncommitted_prefix_cache is not None:
-            # Requests the output leaves out were not computed.
-            not_computed = self.uncommitted_prefix_cache.gather_not_computed(
-                scheduler_output, model_runner_output.req_ids
-            )
-            if not_computed:
-                left_out = self._roll_back_bad_kv(
-                    scheduler_output,
-                    set().union(*not_computed.values()),
-                    not_computed.keys(),
-                )
-                self._preempt_bad_kv_readers(left_out)
-
-        # Every GPU write enqueued by this and earlier steps has completed, so it is
-""",
     ),
 )

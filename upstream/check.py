@@ -13,9 +13,8 @@ b. judged by the shadow-KV oracle, with ``VLLM_PREFIX_GUARD=0``: on the whole se
    with hit tokens, preemptions, computed tokens and steps equal to the guard's on
    unpatched vLLM (same seeds), and a consumer replayed from its KV events matches the
    prefix cache after every step; each prefix reads no bad KV in every configuration
-   whose parts it has (failed KV loads need part 2, a worker that leaves aborted
-   requests out part 4), and what it leaves elsewhere is measured (as are the event
-   inconsistencies of prefixes without part 3);
+   whose parts it has (failed KV loads need part 2), and what it leaves elsewhere is
+   measured (as are the event inconsistencies of prefixes without part 3);
 c. vLLM's own unit tests (``tests/vllm_suite``, one selection) pass on every prefix
    wherever they pass unpatched; the one test part 2 changes passes in its new form, and
    fails in its old form against the patched vLLM;
@@ -269,9 +268,7 @@ def figures(config: dict, mode: str) -> dict[str, int]:
 
 def parts_needed(config: Any) -> int:
     """How many parts of the series a fuzz configuration needs to read no bad KV: part 2
-    rolls back failed KV loads, part 4 what a worker that drops requests leaves out."""
-    if config.drop_aborted:
-        return 4
+    rolls back failed KV loads."""
     return 2 if config.fails_kv_loads else 1
 
 

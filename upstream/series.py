@@ -38,7 +38,7 @@ PARTS_DIR = HERE / "parts"
 SERIES_DIR = HERE / "series"
 sys.path.insert(0, str(HERE))
 
-from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, KV_EVENTS, NOT_COMPUTED, Edit  # noqa: E402
+from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, KV_EVENTS, Edit  # noqa: E402
 
 #: Where each rules module lives in vLLM (its import lines are rewritten to these).
 VLLM_MODULES = {
@@ -55,10 +55,9 @@ def vllm_path(module: str) -> str:
 
 @dataclass(frozen=True)
 class NewModule:
-    """A rules module that becomes a new vLLM file, less the members of later parts."""
+    """A rules module that becomes a new vLLM file."""
 
     rules_module: str
-    omit: tuple[str, ...] = ()
 
     @property
     def path(self) -> str:
@@ -101,8 +100,6 @@ class Part:
     subject: str
     edits: tuple[Edit, ...]
     generated: tuple[NewModule | Methods | Names, ...]
-    #: Whole new rules modules whose later parts only add members: (module, members).
-    grows: tuple[tuple[str, tuple[str, ...]], ...] = ()
     tests: tuple[str, ...] = field(default=())
 
     @property
@@ -117,11 +114,6 @@ class Part:
     def tests_dir(self) -> Path:
         return PARTS_DIR / self.name
 
-
-#: Members of the rules that part 2 adds to part 1's module.
-FAILED_LOAD_MEMBERS = ("UncommittedPrefixCache.rollback_failed_loads",)
-#: Members of the rules that part 4 adds to that module.
-NOT_COMPUTED_MEMBERS = ("UncommittedPrefixCache.gather_not_computed",)
 
 PARTS: tuple[Part, ...] = (
     Part(
@@ -138,7 +130,7 @@ PARTS: tuple[Part, ...] = (
                 "BlockPool",
                 "_insert_block_hash",
             ),
-            NewModule("uncommitted", omit=FAILED_LOAD_MEMBERS + NOT_COMPUTED_MEMBERS),
+            NewModule("uncommitted"),
         ),
         tests=("tests/v1/core/test_uncommitted_prefix_cache.py",),
     ),
@@ -149,11 +141,10 @@ PARTS: tuple[Part, ...] = (
         FAILED_KV_LOADS,
         (
             NewModule("failed_kv_loads"),
-            NewModule("uncommitted", omit=NOT_COMPUTED_MEMBERS),
             Methods(
                 "block_pool",
                 "BlockPoolAdditions",
-                ("runs_to_cache", "cache_around_kept_blocks"),
+                ("cache_around_kept_blocks",),
                 "BlockPool",
                 "cache_full_blocks",
             ),
@@ -182,14 +173,6 @@ PARTS: tuple[Part, ...] = (
             ),
         ),
         tests=("tests/v1/core/test_kv_events_duplicate_blocks.py",),
-    ),
-    Part(
-        4,
-        "roll-back-requests-an-output-leaves-out",
-        "[Core][Bugfix] Roll back the prefix-cache entries of requests a step's output leaves out",
-        NOT_COMPUTED,
-        (NewModule("uncommitted"),),
-        tests=("tests/v1/core/test_not_computed_rollback.py",),
     ),
 )
 
@@ -247,57 +230,11 @@ def _rewrite_imports(lines: list[str], tree: ast.Module) -> list[str]:
     return out
 
 
-def vllm_module_text(module: str, omit: Iterable[str] = ()) -> str:
-    """A rules module as the vLLM file it becomes, less the ``omit`` members
-    (``Class.method`` or a top-level name) and the imports only they used."""
+def vllm_module_text(module: str) -> str:
+    """A rules module as the vLLM file it becomes."""
     source = rules_source(module)
     lines = source.splitlines(keepends=True)
-    tree = ast.parse(source)
-    drop: list[tuple[int, int]] = []
-    for member in omit:
-        owner, _, name = member.rpartition(".")
-        scope = tree.body
-        if owner:
-            [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner]
-            scope = cls.body
-        [node] = [n for n in scope if getattr(n, "name", None) == name]
-        start, end = _segment(lines, node)
-        if start > 0 and not lines[start - 1].strip():
-            start -= 1  # the blank line before it
-        drop.append((start, end))
-    for start, end in sorted(drop, reverse=True):
-        del lines[start:end]
-    if omit:
-        lines = _drop_unused_imports(lines)
-    tree = ast.parse("".join(lines))
-    return "".join(_rewrite_imports(lines, tree))
-
-
-def _drop_unused_imports(lines: list[str]) -> list[str]:
-    """Drop the names of top-level ``from ... import`` statements that the rest of the
-    module does not use (a statement left with none goes; one left with some is written
-    on one line)."""
-    tree = ast.parse("".join(lines))
-    used = {
-        node.id
-        for statement in tree.body
-        if not isinstance(statement, (ast.Import, ast.ImportFrom))
-        for node in ast.walk(statement)
-        if isinstance(node, ast.Name)
-    }
-    out = list(lines)
-    for node in reversed(tree.body):
-        if isinstance(node, ast.ImportFrom):
-            kept = [alias for alias in node.names if (alias.asname or alias.name) in used]
-            if len(kept) == len(node.names):
-                continue
-            text = [
-                f"from {node.module} import "
-                + ", ".join(ast.unparse(alias) for alias in kept)
-                + "\n"
-            ]
-            out[node.lineno - 1 : node.end_lineno] = text if kept else []
-    return out
+    return "".join(_rewrite_imports(lines, ast.parse(source)))
 
 
 def class_methods_text(module: str, cls_name: str, names: Iterable[str]) -> str:
@@ -364,7 +301,7 @@ def apply_part(part: Part, files: dict[str, str]) -> dict[str, str]:
         out[edit.path] = _edit(out[edit.path], edit)
     for item in part.generated:
         if isinstance(item, NewModule):
-            out[item.path] = vllm_module_text(item.rules_module, item.omit)
+            out[item.path] = vllm_module_text(item.rules_module)
         elif isinstance(item, Methods):
             methods = class_methods_text(item.rules_module, item.rules_class, item.names)
             out[item.path] = _insert_methods(out[item.path], item.vllm_class, item.after, methods)

@@ -198,8 +198,7 @@ def _guard_line(counters: dict[str, float]) -> str:
         f"{n('registrations_tracked')} registrations tracked, {n('rolled_back')} rolled back\n"
         f"              ({n('rolled_back_preempted')} preempted, "
         f"{n('rolled_back_kv_load_failure')} KV-load failure, "
-        f"{n('rolled_back_dropped_step')} dropped step, "
-        f"{n('rolled_back_not_computed')} not computed),\n"
+        f"{n('rolled_back_dropped_step')} dropped step),\n"
         f"              {n('dependents_preempted')} dependents preempted, "
         f"{n('stale_entries_skipped')} stale records skipped"
     )

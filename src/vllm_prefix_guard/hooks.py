@@ -7,9 +7,8 @@
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
     Scheduler._update_waiting_for_remote_kv
                                     record nothing: a connector finished loading that KV
-    Scheduler.update_from_output    roll back failed KV loads first, and what the output
-                                    says was not computed (preempting its readers); after
-                                    it, preempt the readers of bad KV and commit the step
+    Scheduler.update_from_output    roll back failed KV loads first; after it, preempt
+                                    the readers of bad KV and commit the step
     Scheduler.reset_prefix_cache    drop every record once the pool was reset
     Scheduler.shutdown              one summary line with the counters, last JSON write
 
@@ -32,6 +31,7 @@ from vllm_prefix_guard import metrics
 from vllm_prefix_guard.log import logger
 from vllm_prefix_guard.patching import PatchRegistry
 from vllm_prefix_guard.pool import GuardedBlockPool, graft
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.kv_cache_manager import CachedBlockRewind
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
@@ -57,7 +57,9 @@ def guard_of(scheduler: Any) -> SchedulerGuard | None:
 
 
 def attach_guard(
-    scheduler: Any, rules: UncommittedPrefixCache | None = None
+    scheduler: Any,
+    rules: UncommittedPrefixCache | None = None,
+    rollback_class: type[FailedKVLoads] = FailedKVLoads,
 ) -> SchedulerGuard | None:
     """Give ``scheduler`` a guard over its pool (replacing any, before its first step);
     None when prefix caching is off.
@@ -65,10 +67,11 @@ def attach_guard(
     Args:
         rules: the rules to run (default: :class:`UncommittedPrefixCache` itself;
             diagnostics pass their subclasses, which observe or compare).
+        rollback_class: the failed-load rollback (diagnostics: a subclass).
     """
     if not scheduler.kv_cache_manager.enable_caching:
         return None
-    guard = SchedulerGuard(scheduler, rules)
+    guard = SchedulerGuard(scheduler, rules, rollback_class)
     setattr(scheduler, GUARD_ATTR, guard)
     if getattr(scheduler, PUBLISHER_ATTR, None) is None:
         publisher = make_publisher(scheduler)
@@ -188,7 +191,6 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
         if kv_output is not None and kv_output.invalid_block_ids:
             # Before the original: it may fail or free the requests involved.
             rollback = guard.loads_failed(scheduler_output, kv_output.invalid_block_ids)
-        guard.not_computed(scheduler_output, model_runner_output)
         result = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         if rollback is not None:
             guard.preempt_bad_kv_readers(rollback)

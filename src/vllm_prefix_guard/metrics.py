@@ -78,7 +78,6 @@ ROLLBACK_CAUSES = {
     "preempted": "rolled_back_preempted",
     "kv_load_failure": "rolled_back_kv_load_failure",
     "dropped_step": "rolled_back_dropped_step",
-    "not_computed": "rolled_back_not_computed",
 }
 UNCOMMITTED = "vllm:prefix_guard_uncommitted_entries"
 LABELS = ("model_name", "engine")

@@ -14,7 +14,7 @@ few integer reads; a rollback costs what its rule costs.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,11 +28,17 @@ from vllm_prefix_guard.stats import GuardStats
 class SchedulerGuard:
     """The rules of one scheduler over its grafted pool, and their counters."""
 
-    def __init__(self, scheduler: Any, rules: UncommittedPrefixCache | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        rules: UncommittedPrefixCache | None = None,
+        rollback_class: type[FailedKVLoads] = FailedKVLoads,
+    ) -> None:
         manager = scheduler.kv_cache_manager
         self.scheduler = scheduler
         self.pool: PrefixGuardPool = graft(manager.block_pool)  # normally guarded already
         self.rules = UncommittedPrefixCache(manager) if rules is None else rules
+        self.rollback_class = rollback_class
         self.stats = GuardStats()
         self._epoch = self.pool.guard_epoch
         self._recorded = self.pool.guard_recorded
@@ -40,18 +46,15 @@ class SchedulerGuard:
     # -- the calls the series places in Scheduler -------------------------------------
 
     def begin_step(self) -> None:
-        """``schedule()`` starts (an earlier one that raised is undone here)."""
-        removed = self.pool.guard_removed
+        """``schedule()`` starts."""
         self.rules.begin_step()
-        if self.pool.guard_removed != removed:
-            self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
 
     def end_step(self, output: Any) -> None:
         """``schedule()`` returns ``output``."""
         self.rules.end_step(output)
         if self.pool.guard_recorded != self._recorded:
             self._recorded = self.pool.guard_recorded
-            uncommitted = self.rules.num_uncommitted_entries
+            uncommitted = self.num_uncommitted_entries
             if uncommitted > self.stats.peak_uncommitted_entries:
                 self.stats.peak_uncommitted_entries = uncommitted
 
@@ -70,43 +73,19 @@ class SchedulerGuard:
             yield
 
     def loads_failed(self, output: Any, invalid_block_ids: Iterable[int]) -> FailedKVLoads:
-        """``update_from_output`` got failed loads; before vLLM handles them (and reads
-        the output: readers vLLM preempted since have their output in flight dropped)."""
-        rollback, removed = self._roll_back(output, set(invalid_block_ids))
-        self.stats.rolled_back_kv_load_failure += removed
+        """``update_from_output`` got failed loads; before vLLM handles them and reads
+        the output (readers vLLM preempted since have their output in flight dropped)."""
+        removed = self.pool.guard_removed
+        rollback = self.rollback_class(self.rules)
+        rollback.roll_back(output, set(invalid_block_ids))
+        self.stats.rolled_back_kv_load_failure += self.pool.guard_removed - removed
+        self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
         return rollback
 
-    def not_computed(self, output: Any, model_runner_output: Any) -> None:
-        """``update_from_output`` got ``output``'s ``ModelRunnerOutput``; before vLLM reads
-        it. A request the output leaves out was not computed (a worker dropped it): roll
-        its entries of the step back as a failed load's, and preempt their readers now,
-        so that vLLM drops their output of this step with the rest of it (readers vLLM
-        preempted since have theirs dropped)."""
-        not_computed = self.rules.gather_not_computed(output, model_runner_output.req_ids)
-        if not not_computed:
-            return
-        blocks = set().union(*not_computed.values())
-        rollback, removed = self._roll_back(output, blocks, not_computed.keys())
-        self.stats.rolled_back_not_computed += removed
-        self.preempt_bad_kv_readers(rollback)
-
-    def _roll_back(
-        self, output: Any, blocks: set[int], loader_req_ids: Collection[str] | None = None
-    ) -> tuple[FailedKVLoads, int]:
-        """The failed-load rollback of ``blocks`` in ``output``'s step (the series'
-        ``rollback_failed_loads``, then ``drop_stale_output``, before vLLM reads the
-        output), and how many entries it removed."""
-        removed = self.pool.guard_removed
-        running = {request.request_id for request in self.scheduler.running}
-        rollback = self.rules.rollback_failed_loads(output, blocks, running, loader_req_ids)
-        removed = self.pool.guard_removed - removed
-        self._count_readers(rollback.drop_stale_output(self.scheduler.requests))
-        return rollback, removed
-
     def preempt_bad_kv_readers(self, rollback: FailedKVLoads) -> None:
-        """Every running request that still counts bad KV as computed recomputes it (its
-        in-flight output dropped, as ``reset_prefix_cache`` does). For failed loads, after
-        vLLM handled them; for requests an output left out, before vLLM reads it."""
+        """After vLLM handled failed loads: every running request that still counts bad
+        KV as computed recomputes it (its in-flight output dropped, as
+        ``reset_prefix_cache`` does)."""
         if not rollback.loaders and not rollback.readers:
             return
         scheduler = self.scheduler
@@ -147,7 +126,15 @@ class SchedulerGuard:
         stats = self.stats
         stats.registrations_tracked = self.pool.guard_recorded
         stats.stale_entries_skipped = self.pool.guard_stale
-        return {**stats.as_dict(), "uncommitted_entries": self.rules.num_uncommitted_entries}
+        return {**stats.as_dict(), "uncommitted_entries": self.num_uncommitted_entries}
+
+    @property
+    def num_uncommitted_entries(self) -> int:
+        """Entries of the steps in flight (O(requests in their records)); each record
+        is listed at once, so another thread may read it."""
+        return sum(
+            sum(map(len, list(entries.values()))) for _, entries in self.rules.steps_in_flight()
+        )
 
     def _count_readers(self, preempted: int) -> None:
         """Count requests made to recompute for reading bad KV (preempted here, or
@@ -160,7 +147,7 @@ class SchedulerGuard:
         if first:
             logger().warning(
                 "vllm-prefix-guard: preempted %d request(s) that counted KV of a failed load "
-                "or of a request its worker did not compute (or KV computed over it) as "
-                "computed; they recompute (logged once per scheduler).",
+                "(or KV computed over it) as computed; they recompute (logged once per "
+                "scheduler).",
                 preempted,
             )

@@ -43,8 +43,6 @@ class GuardStats:
     rolled_back_kv_load_failure: int = 0
     # Entries removed because their step never came back (its output was dropped).
     rolled_back_dropped_step: int = 0
-    # Entries removed because the step's output left their request out (not computed).
-    rolled_back_not_computed: int = 0
     # Entries skipped at rollback because the block was evicted or re-keyed since.
     stale_entries_skipped: int = 0
     # Requests made to recompute because they computed over a rolled-back block:
@@ -60,7 +58,6 @@ class GuardStats:
             self.rolled_back_preempted
             + self.rolled_back_kv_load_failure
             + self.rolled_back_dropped_step
-            + self.rolled_back_not_computed
         )
 
     def as_dict(self) -> dict[str, int]:

@@ -93,7 +93,6 @@ def _attributes(module: str, owner: str, used_by: str, *names: str) -> tuple[Int
 _HOOK = "scheduler hook"
 _POOL = "pool mixin"
 _LOAD = "KV-load failure rollback"
-_NOT_COMPUTED = "rollback of requests an output leaves out"
 _STALE = "output dropped of readers of bad KV vLLM preempted"
 
 #: Scheduler methods the guard wraps (each logged once when patched).
@@ -170,8 +169,6 @@ POOL_INTERNALS: tuple[Internal, ...] = (
 RARE_PATH_INTERNALS: tuple[Internal, ...] = (
     *_attributes(SCHEDULER, "Scheduler", _LOAD, "running", "kv_cache_manager"),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
-    # Requests a step's output leaves out were not computed: rolled back as failed loads.
-    *_fields(OUTPUTS, "ModelRunnerOutput", _NOT_COMPUTED, "req_ids"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
     _callable(KV_CACHE_UTILS, "get_group_id", _LOAD, "key"),
     _callable(MANAGER, "KVCacheManager.get_block_ids", _LOAD, "request_id"),
@@ -197,7 +194,6 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
         _LOAD,
         "scheduled_new_reqs",
         "scheduled_cached_reqs",
-        "num_scheduled_tokens",
         "kv_cache_block_copies",
     ),
     *_fields(KV_CACHE_UTILS, "KVCacheBlockCopy", _LOAD, "src_block_id", "dst_block_id"),
@@ -243,8 +239,7 @@ FAILED_KV_LOADS = "vllm.v1.core.sched.failed_kv_loads"
 #: commits, resets and rolls back, and the pool removes one uncommitted entry exactly
 #: (part 1, the commit fence); failed KV loads are rolled back and the manager rewinds
 #: its cached-block counts (part 2); ``BlockRemoved`` is emitted only once no block
-#: caches the hash (part 3); the entries of requests a step's output leaves out are
-#: rolled back as a failed load's (part 4). ``(owner, name, parameters besides self)``;
+#: caches the hash (part 3). ``(owner, name, parameters besides self)``;
 #: ``None``: an attribute the owner's constructor sets. The guard steps aside only when
 #: all of it is there in this shape.
 NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
@@ -259,15 +254,12 @@ NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
         ("BlockPool", "remove_uncommitted_entry", 1),
     ),
     "part 2 (failed KV loads)": (
-        ("UncommittedPrefixCache", "rollback_failed_loads", 3),
+        ("FailedKVLoads", "roll_back", 2),
         ("FailedKVLoads", "reads_bad_kv", 1),
         ("FailedKVLoads", "drop_stale_output", 1),
         ("KVCacheManager", "rewind_num_cached_blocks", 1),
     ),
     "part 3 (KV events with several blocks per hash)": (("BlockPool", "uncached_block_hashes", 1),),
-    "part 4 (requests an output leaves out)": (
-        ("UncommittedPrefixCache", "gather_not_computed", 2),
-    ),
 }
 NATIVE_FIX: tuple[tuple[str, str, int | None], ...] = tuple(
     name for names in NATIVE_FIX_PARTS.values() for name in names

@@ -224,7 +224,6 @@ KEYS = (
     "rolled_back_preempted",
     "rolled_back_kv_load_failure",
     "rolled_back_dropped_step",
-    "rolled_back_not_computed",
     "rolled_back",
 )
 

@@ -19,6 +19,7 @@ from vllm_prefix_guard.diagnostics.explore.system import (
     replay,
 )
 from vllm_prefix_guard.diagnostics.fuzz.runner import plugin_restored, run_workload
+from vllm_prefix_guard.diagnostics.shadow_kv import OUTPUT_OVER_BAD_KV
 
 #: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]
@@ -119,24 +120,29 @@ def test_guard_keeps_blocks_a_partial_failed_load_loaded_fine() -> None:
     assert (stock.hit_tokens, guard.hit_tokens) == (12, 12)
 
 
-#: A request preempted after its load failed starts over: r1's load fails on its blocks 1
-#: and 2, a reset preempts it while that step is in flight, and it loads its prefix again
-#: in the next step (scope ``async-priority-unfenced``). The oracle once kept counting
-#: r1's reads as the failed load's known loss after the restart, so the KV r1 computed
-#: over its fresh load counted as bad (4 reads, in stock and the guard alike).
+#: A request preempted after its load failed starts over: r0's load fails on its block 1,
+#: a reset preempts it while that step is in flight, and it resumes at once on its own
+#: load's entries in the next step, dispatched before the failure's report (scope
+#: ``async-reset-loader``, vLLM's deferred block free on). The oracle once kept counting
+#: r0's reads after the restart as the failed load's known loss, so stock delivering the
+#: token r0 computed over the failed blocks went unseen (and, with frees not deferred, the
+#: KV r0 computed over a fresh load counted as bad).
 RESTARTED_LOADER_PATH = (
-    Step.from_json([[0], None, False, [], False]),
-    Step.from_json([[1], None, False, [["r1", 1], ["r1", 2]], False]),
+    Step.from_json([[0], None, False, [["r0", 1]], False]),
     Step.from_json([[], None, True, [], False]),
 )
 
 
-def test_a_loader_restarted_after_its_failed_load_reads_clean_kv() -> None:
-    scope = SCOPES["async-priority-unfenced"]
+def test_a_loader_restarted_after_its_failed_load_is_judged_afresh() -> None:
+    scope = SCOPES["async-reset-loader"]
     with plugin_restored():
         system = drain(replay(scope, RESTARTED_LOADER_PATH, BOTH))
-    assert [lane.bad_reads for lane in system.lanes] == [0, 0]
-    assert all(lane.drained for lane in system.lanes)
+    stock, guard = system.lanes
+    assert [(v.request_id, v.kind) for v in stock.driver.kv.violations] == [
+        ("r0", OUTPUT_OVER_BAD_KV)
+    ]
+    assert guard.bad_reads == 0
+    assert stock.drained and guard.drained
 
 
 #: r1 (A, low priority) is preempted inside schedule() by r2 and resumed; r3 (A again)

@@ -28,7 +28,6 @@ DECISIONS = (
     "rolled_back_preempted",
     "rolled_back_kv_load_failure",
     "rolled_back_dropped_step",
-    "rolled_back_not_computed",
     "dependents_preempted",
     "peak_uncommitted_entries",
     "never_written",

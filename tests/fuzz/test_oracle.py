@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from layouts import zombie_workload
-from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
+from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
 
@@ -128,17 +127,3 @@ def test_the_driver_calls_the_scheduler_through_its_hooks_only() -> None:
     assert driver.calls["schedule"] == driver.calls["update"] == len(driver.outputs) > 0
     assert driver.violations == 0 and driver.trajectory != 0
     assert run().trajectory == driver.trajectory
-
-
-def test_a_read_the_worker_left_out_is_forgotten_with_its_step() -> None:
-    """An admission read the worker leaves out of a step in flight (its request aborted,
-    ``drop_aborted``) is never checked. The meter must forget it with its step, or a later
-    read that reuses its ``id`` is taken for an admission, and a bad one counted in
-    ``invalid_hit_tokens`` (stock's figures in the soak's ``-drop`` rows moved run to run)."""
-    driver = MeteredDriver(make_scheduler(async_scheduling=True), depth=2, drop_aborted=True)
-    driver.add(make_request("r0", list(range(1, 33)), max_tokens=2))
-    driver.schedule()
-    assert driver.fuzz_kv.admission_reads  # r0's admission, in flight
-    driver.abort("r0", at_once=True)
-    driver.run()
-    assert driver.fuzz_kv.admission_reads == {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from layouts import (
-    HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS,
+    PREEMPTED_WITH_ITS_BLOCK_WRITTEN_IN_FLIGHT,
     ZOMBIE_ARRIVALS,
-    any_holder_is_a_loader,
+    every_preempted_entry_goes,
     zombie_workload,
 )
 from native_fix import guard_only
@@ -53,14 +53,14 @@ def test_shrinks_to_the_known_layout_and_only_stock_fails() -> None:
 def test_shrinks_a_precision_finding_that_reads_nothing_bad(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The audit's predicate shrinks a run that reads no bad KV (the not-computed rule
-    before it named its loaders rolled back a preempted request's valid state)."""
-    any_holder_is_a_loader(monkeypatch)
-    layout = HYBRID_LEFT_OUT_ON_A_PREEMPTED_REQUESTS_BLOCKS
+    """The audit's predicate shrinks a run that reads no bad KV (the preemption rule
+    without its exception rolls back an entry a step in flight writes)."""
+    every_preempted_entry_goes(monkeypatch)
+    layout = PREEMPTED_WITH_ITS_BLOCK_WRITTEN_IN_FLIGHT
     holds = rolls_back_valid_kv()
     if not holds(layout):
-        pytest.skip("this vLLM schedules the layout otherwise (shrunk on 0.31-0.33)")
-    noisy = layout.replace([*layout.events, Arrive(30, "n0", ((5000, 20),), 1)])
+        pytest.skip("this vLLM schedules the layout otherwise (shrunk on 0.32)")
+    noisy = layout.replace([*layout.events, Arrive(30, "n0", ((9000, 20),), 1)])
     small = shrink(noisy, "guard", seconds=60, predicate=holds)
     assert run_workload(small, "guard").violations == 0
     assert holds(small)

@@ -5,8 +5,10 @@
 given since; vLLM blames it by block id and rewinds it below its loaded blocks, and a
 later failed load it had hit makes it a reader of bad KV. It then recomputes, over bad
 KV, a block whose entry the guard had kept as loaded: the entry stayed hashed on
-poisoned KV and the request read it on resuming (1267 bad reads). The rollback now drops
-a reader's kept entries that a later step in flight recomputes.
+poisoned KV and the request read it on resuming (1267 bad reads). Found while the
+fuzzer's ``AsyncScheduler`` freed blocks of a step in flight at once; vLLM defers those
+frees wherever a KV load can fail (``defer_block_free``), which closes the window, so the
+rule added for it went (issue 42). The seed stays: the guard must read nothing bad there.
 """
 
 from __future__ import annotations

@@ -198,8 +198,6 @@ class StepPlan:
     loads: list[Any]
     # How many load-failure reports the worker had made when this step was scheduled.
     reports_before: int = 0
-    # Reads the worker left out (``Driver.drop_aborted``): the step's output omits them.
-    dropped: list[ScheduledRead] = field(default_factory=list)
     # Requests whose bad reads in this step a pending report excused, but for those whose
     # own load failed (set when executed): their sampled tokens must not be delivered.
     excused: set[str] = field(default_factory=set)
@@ -689,12 +687,6 @@ class ShadowWorker:
             # A copy: the report grows below (what the failing request computes), and
             # `invalid` goes to vLLM in this step's output, which must not.
             self.failure_reports.append((set(invalid), failed_requests))
-        if plan.dropped:
-            # The output leaves these requests out: vLLM learns there that the KV and
-            # state they were to write in this step are not written, as it learns of a
-            # failed load; reads of them in steps dispatched before are a known loss.
-            dropped = {read.request_id for read in plan.dropped}
-            self.failure_reports.append((self._blocks_written(plan.dropped), dropped))
         # Failed loads reported after this step was dispatched: vLLM learns of them at
         # the report and recomputes; reads of those blocks, and every read of the request
         # whose load failed, are its known loss in this step, not a prefix-cache hit. So
@@ -830,11 +822,8 @@ class Driver:
     Aborts are applied just before an update, where ``EngineCore`` processes them.
 
     vLLM's runners compute every request of a dispatched step, aborted or not (a request
-    leaves the input batch only when a later step lists it as finished). With
-    ``drop_aborted`` the worker instead leaves an aborted request out of the steps
-    already dispatched and not yet executed, from the moment the scheduler has the abort
-    (the worker of vLLM PR #56525's report): whatever those steps registered for it is
-    never written, and their outputs leave it out.
+    leaves the input batch only when a later step lists it as finished); so does this
+    worker, and the guard assumes it.
 
     The scheduler's own calls go through :meth:`call_schedule` and :meth:`call_update`
     only, so a subclass can time (or count) them alone, with the worker and this loop's
@@ -846,12 +835,10 @@ class Driver:
         scheduler: Any,
         depth: int = 1,
         sample: Callable[[str, int], int] | None = None,
-        drop_aborted: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.worker = ShadowWorker(scheduler, sample)
         self.depth = depth
-        self.drop_aborted = drop_aborted
         self.in_flight: deque[StepPlan] = deque()
         self.pending_aborts: list[str] = []
         self.outputs: list[Any] = []
@@ -883,17 +870,10 @@ class Driver:
             self.pending_aborts.append(request_id)
 
     def _finish_aborted(self, request_ids: list[str]) -> None:
-        """Abort ``request_ids`` in the scheduler; with ``drop_aborted`` the worker then
-        leaves them out of the steps in flight (it can learn of an abort only once the
-        scheduler has it: the next step lists the request as finished)."""
+        """Abort ``request_ids`` in the scheduler; the steps in flight still compute them."""
         from vllm.v1.request import RequestStatus
 
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        if self.drop_aborted:
-            dropped = set(request_ids)
-            for plan in self.in_flight:
-                plan.dropped += [read for read in plan.reads if read.request_id in dropped]
-                plan.reads = [read for read in plan.reads if read.request_id not in dropped]
 
     def call_schedule(self) -> Any:
         """``scheduler.schedule()``, the only place this loop calls it."""

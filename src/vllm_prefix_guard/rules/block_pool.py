@@ -2,10 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the upstream series adds to vLLM's `BlockPool`, verbatim.
 
-`upstream/series.py` copies the two type aliases into `vllm/v1/core/block_pool.py`
-(before `BlockHashToBlockMap`) and the methods of `BlockPoolAdditions` into
-`BlockPool`; the plugin's pool mixin inherits them. Nothing here may differ
-between the two.
+`upstream/series.py` copies the type aliases into `vllm/v1/core/block_pool.py`
+and the methods of `BlockPoolAdditions` into `BlockPool`; the plugin's pool
+mixin inherits them.
 """
 
 from collections.abc import Sequence
@@ -16,69 +15,36 @@ from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 from vllm.v1.request import Request
 
+# Type-checked as vLLM's `BlockPool`, whose methods these become; a plain mixin
+# at run time.
 if TYPE_CHECKING:
-    from vllm.v1.core.block_pool import BlockHashToBlockMap
+    from vllm.v1.core.block_pool import BlockPool
+else:
+    BlockPool = object
 
-# A prefix-cache entry registered before the KV it names is written: the hash,
-# the block, and the prefix length the hash names (the block holds valid KV for
-# these tokens once the step that computes them has run).
+# A prefix-cache entry registered before its KV is written: the hash, the block,
+# and the number of tokens the hash names.
 UncommittedEntry = tuple[BlockHashWithGroupId, KVCacheBlock, int | None]
 
-# The entries one scheduler step registered, per request. `allocate_slots`
-# registers the blocks a step is about to compute, so that requests in the same
-# batch can share them; until that step's output comes back, such an entry names
-# KV that may never be written (the request can be preempted in the same
-# `schedule()` call, or its KV load can fail). Entries made on no request's
-# behalf (a copy-on-write move) are kept under None.
+# The entries one scheduler step registered, per request ID; None for entries
+# made on no request's behalf (a copy-on-write move of a Mamba checkpoint).
 StepCacheEntries = dict[str | None, list[UncommittedEntry]]
 
 
-class BlockPoolAdditions:
+class BlockPoolAdditions(BlockPool):
     """The methods the series adds to `BlockPool`."""
-
-    if TYPE_CHECKING:
-        cached_block_hash_to_block: BlockHashToBlockMap
-        cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]]
-
-        def _remove_cached_block_hashes(
-            self, block: KVCacheBlock
-        ) -> list[BlockHashWithGroupId]: ...
-
-        def _emit_block_removed_events(
-            self, block_hashes: list[BlockHashWithGroupId]
-        ) -> None: ...
-
-        def cache_full_blocks(
-            self,
-            request: Request,
-            blocks: list[KVCacheBlock],
-            num_cached_blocks: int,
-            num_full_blocks: int,
-            block_size: int,
-            kv_cache_group_id: int,
-            block_mask: list[bool] | None = None,
-        ) -> None: ...
 
     def uncached_block_hashes(
         self, block_hashes: list[BlockHashWithGroupId]
     ) -> list[BlockHashWithGroupId]:
-        """The hashes among `block_hashes` that no block caches any more.
+        """The hashes among `block_hashes` (each just removed from one block)
+        that no block caches any more.
 
-        Several blocks can be cached under one hash: requests that compute the
-        same prefix concurrently each fill a block of their own. KV events
-        describe the hash, not its copies: `BlockRemoved` is due only when the
-        last of those blocks loses it (until then a request still hits the
-        others), as `BlockStored` is only when the first caches it
-        (`first_copy_events`). A consumer that keeps a set of hashes and one
-        that counts them then agree with the cache alike.
-
-        Args:
-            block_hashes: Hashes just removed from the prefix cache, each from
-                one block.
-
-        Returns:
-            Those that no other block is cached under.
-
+        Requests that compute one prefix concurrently fill a block each under
+        one hash. KV events describe the hash: `BlockRemoved` is due when its
+        last block loses it, as `BlockStored` is when its first caches it
+        (`first_copy_events`), so that consumers keeping a set of hashes and
+        consumers counting them both match the cache.
         """
         return [
             block_hash
@@ -90,22 +56,15 @@ class BlockPoolAdditions:
     def first_copy_events(
         stored: BlockStored, copies: Sequence[tuple[int, bool]]
     ) -> list[BlockStored]:
-        """`stored` less the blocks whose hash another block cached already.
-
-        A `BlockStored` announces hashes that just became cached. A block
-        registered under a hash another block already caches (two requests
-        that computed the same prefix) changes nothing a consumer can see, so
-        it is left out, and the rest go as one event per run of consecutive
-        blocks, each naming the block before it as its parent.
+        """`stored` (one `cache_full_blocks` call's event) less the blocks whose
+        hash another block caches already: one event per run of the others,
+        each naming the block before it as its parent.
 
         Args:
-            stored: The event of one `cache_full_blocks` call.
-            copies: For each block it lists, in order: its position among
-                the blocks the call cached (its tokens' place in
-                `stored.token_ids`), and whether it is the hash's first copy.
-
-        Returns:
-            The events to queue instead (none if every block is a copy).
+            stored: The event.
+            copies: Per block of `stored`: its position among the blocks the
+                call cached (in `stored.token_ids`), and whether it is the
+                hash's first copy.
 
         """
         assert len(copies) == len(stored.block_hashes)
@@ -141,20 +100,13 @@ class BlockPoolAdditions:
         return events
 
     def remove_uncommitted_entry(self, entry: UncommittedEntry) -> bool:
-        """Remove one uncommitted prefix-cache entry, and only that one.
+        """Remove one uncommitted entry, and only that one; False if it was no
+        longer cached.
 
-        Other blocks cached under the same hash are kept. A primary hash takes
-        the block's secondary (partial) hashes with it: they were registered
-        on top of the same unwritten content. Hashes are compared by identity:
-        a block evicted and re-cached since holds an equal hash object, not
-        this one, and keeps it.
-
-        Args:
-            entry: The entry, as recorded in `uncommitted_entries`.
-
-        Returns:
-            True if the entry was still registered and is now removed.
-
+        Other blocks cached under the same hash stay. A primary hash takes the
+        block's secondary (partial) hashes with it: they name the same unwritten
+        content. Hashes compare by identity: a block evicted and cached again
+        since holds an equal hash object, not this one.
         """
         block_hash, block, _ = entry
         if block.block_hash is block_hash:
@@ -172,51 +124,6 @@ class BlockPoolAdditions:
         self._emit_block_removed_events(removed_hashes)
         return bool(removed_hashes)
 
-    @staticmethod
-    def runs_to_cache(
-        blocks: list[KVCacheBlock],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-    ) -> list[tuple[int, int]] | None:
-        """The runs of `blocks[num_cached_blocks:num_full_blocks]` to cache, around
-        blocks already cached as the full block they are about to become.
-
-        Only a failed KV load's rollback leaves such blocks (see
-        `FailedKVLoads`): it removes the loader's entries from its first failed
-        block on but keeps those of later blocks that loaded fine, and rewinds
-        the loader's cached-block count to the first removed block, so that the
-        loader caches its recomputed blocks again. The kept blocks hold valid KV
-        under their entry already; caching them again would register the same
-        hash twice.
-
-        Args:
-            blocks: All blocks of the request in one KV cache group.
-            num_cached_blocks: The blocks it has cached.
-            num_full_blocks: The blocks it will have cached.
-            block_size: Tokens per block of the group.
-
-        Returns:
-            None if no block is kept (the common case: cache the whole range),
-            else the `[start, end)` runs between kept blocks, in order.
-
-        """
-        kept = [
-            index
-            for index in range(num_cached_blocks, num_full_blocks)
-            if blocks[index].block_hash is not None
-            and blocks[index].block_hash_num_tokens == (index + 1) * block_size
-        ]
-        if not kept:
-            return None
-        runs = []
-        start = num_cached_blocks
-        for index in [*kept, num_full_blocks]:
-            if start < index:
-                runs.append((start, index))
-            start = index + 1
-        return runs
-
     def cache_around_kept_blocks(
         self,
         request: Request,
@@ -227,23 +134,30 @@ class BlockPoolAdditions:
         kv_cache_group_id: int,
         block_mask: list[bool] | None,
     ) -> bool:
-        """`cache_full_blocks` run by run around the kept blocks (`runs_to_cache`).
+        """`cache_full_blocks` run by run around blocks of the range already
+        cached as the full block they are about to become; False, having done
+        nothing, if there are none (the common case).
 
-        Returns:
-            False, having done nothing, if no block is kept: the caller caches
-            the whole range itself.
-
+        Only a failed KV load's rollback leaves such blocks: it keeps the
+        entries of blocks that loaded fine after a failed one, and rewinds the
+        loader's cached-block count to the failed one (`FailedKVLoads`).
         """
-        runs = self.runs_to_cache(
-            blocks, num_cached_blocks, num_full_blocks, block_size
-        )
-        if runs is None:
+        kept = [
+            index
+            for index in range(num_cached_blocks, num_full_blocks)
+            if blocks[index].block_hash is not None
+            and blocks[index].block_hash_num_tokens == (index + 1) * block_size
+        ]
+        if not kept:
             return False
-        for start, end in runs:
-            mask = block_mask
-            if mask is not None:
-                mask = mask[start - num_cached_blocks : end - num_cached_blocks]
-            self.cache_full_blocks(
-                request, blocks, start, end, block_size, kv_cache_group_id, mask
-            )
+        start = num_cached_blocks
+        for end in [*kept, num_full_blocks]:
+            if start < end:
+                mask = block_mask
+                if mask is not None:
+                    mask = mask[start - num_cached_blocks : end - num_cached_blocks]
+                self.cache_full_blocks(
+                    request, blocks, start, end, block_size, kv_cache_group_id, mask
+                )
+            start = end + 1
         return True

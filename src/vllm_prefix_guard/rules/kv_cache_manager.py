@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What the upstream series adds to vLLM's `KVCacheManager`, verbatim.
-
-`upstream/series.py` copies the methods of `CachedBlockRewind` into
-`KVCacheManager`; the plugin installs them on vLLM's class. Nothing here may
-differ between the two.
-"""
+"""What the upstream series adds to vLLM's `KVCacheManager`, verbatim."""
 
 from typing import TYPE_CHECKING
 
@@ -20,13 +15,10 @@ class CachedBlockRewind:
         coordinator: KVCacheCoordinator
 
     def rewind_num_cached_blocks(self, uncached: dict[str, set[int]]) -> None:
-        """Let requests that keep their blocks cache them again once their KV
-        is recomputed, after their entries were removed from the prefix cache.
-
-        Each KV cache group counts the blocks of a request it has cached and
-        never caches those again; this lowers the count to the first uncached
-        block. Blocks after it that kept their entry (they loaded fine after a
-        failed block) are cached around: `BlockPool.runs_to_cache`.
+        """Let requests whose entries were removed cache their blocks again
+        once recomputed: each group's count of a request's cached blocks is
+        lowered to its first uncached block. Blocks after it that kept their
+        entry are cached around (`BlockPool.cache_around_kept_blocks`).
 
         Args:
             uncached: Request ID -> IDs of its blocks whose entries were
@@ -39,13 +31,7 @@ class CachedBlockRewind:
                 num_cached_blocks = manager.num_cached_block.get(req_id)
                 if not blocks or num_cached_blocks is None:
                     continue
-                first = next(
-                    (
-                        i
-                        for i, block in enumerate(blocks[:num_cached_blocks])
-                        if block.block_id in block_ids
-                    ),
-                    None,
-                )
-                if first is not None:
-                    manager.num_cached_block[req_id] = first
+                for index, block in enumerate(blocks[:num_cached_blocks]):
+                    if block.block_id in block_ids:
+                        manager.num_cached_block[req_id] = index
+                        break

@@ -1,7 +1,7 @@
 """The guard with one rule taken out: what the explorer must catch (its teeth).
 
-Each mutation is a subclass of the rules, attached the way the fuzzer attaches PR
-#43569's scope (``hooks.attach_guard``); the rules themselves are untouched. With the
+Each mutation is a subclass of the rules or of their failed-load rollback, attached
+with ``hooks.attach_guard``; the rules themselves are untouched. With the
 rule gone, a violation the rule prevents must be found within the mutation's scope
 (``MUTATION_SCOPES``); stock vLLM (the plugin undone) stands in for the priority
 preemption rule, whose absence is stock's zombie.
@@ -9,27 +9,20 @@ preemption rule, whose absence is stock's zombie.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from vllm_prefix_guard.rules.block_pool import StepCacheEntries
-from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads, admissions
+from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
 
 class OtherReaders(FailedKVLoads):
-    """The rules' failed-load walk, then other requests judged readers of bad KV (those
-    the guard preempts): what a mutation of that judgement returns."""
+    """The rules' failed-load rollback, then other requests judged readers of bad KV
+    (those the guard preempts): what a mutation of that judgement returns."""
 
-    def walk(
-        self,
-        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
-        invalid_block_ids: set[int],
-        loader_req_ids: Collection[str] | None = None,
-    ) -> None:
-        super().walk(steps, invalid_block_ids, loader_req_ids)
+    def roll_back(self, scheduler_output: SchedulerOutput, invalid_block_ids: set[int]) -> None:
+        super().roll_back(scheduler_output, invalid_block_ids)
         self.readers = self.mutated_readers()
 
     def mutated_readers(self) -> set[str]:
@@ -43,30 +36,6 @@ class ReadersKeepBadKV(OtherReaders):
 
     def mutated_readers(self) -> set[str]:
         return set()
-
-
-class OtherFailedLoadWalk(UncommittedPrefixCache):
-    """The guard with its failed-load rollback run by ``walk_class`` (a mutation of
-    ``FailedKVLoads``); the body is the rules' own ``rollback_failed_loads``."""
-
-    walk_class: type[FailedKVLoads] = FailedKVLoads
-
-    def rollback_failed_loads(
-        self,
-        scheduler_output: SchedulerOutput,
-        invalid_block_ids: set[int],
-        running_req_ids: set[str],
-        loader_req_ids: Collection[str] | None = None,
-    ) -> FailedKVLoads:
-        rollback = self.walk_class(self, running_req_ids)
-        rollback.roll_back(scheduler_output, invalid_block_ids, loader_req_ids)
-        return rollback
-
-
-class WithoutReaderRollback(OtherFailedLoadWalk):
-    """The guard, minus the preemption of failed-load readers."""
-
-    walk_class = ReadersKeepBadKV
 
 
 class WithoutDroppedStepRollback(UncommittedPrefixCache):
@@ -83,54 +52,6 @@ class WithoutDroppedStepRollback(UncommittedPrefixCache):
                 return
 
 
-class KeptEntriesStay(FailedKVLoads):
-    """``FailedKVLoads.walk`` without the rule the ``everything-async`` seed-17 soak
-    finding added: a reader's kept entries that a later step in flight computes again
-    from a lower token are no longer undone. The rest of ``walk`` is copied verbatim
-    (``tests/explore/test_mutations.py`` checks the copy against the original)."""
-
-    def walk(
-        self,
-        steps: list[tuple[SchedulerOutput, StepCacheEntries]],
-        invalid_block_ids: set[int],
-        loader_req_ids: Collection[str] | None = None,
-    ) -> None:
-        self.steps = steps
-        self.bad_blocks.update(dict.fromkeys(invalid_block_ids, False))
-        loaders = self._remove_loaders(*steps[0], invalid_block_ids, loader_req_ids)
-        tainted = set(loaders)
-        kept: dict[str, StepCacheEntries] = {}
-        readmitted: set[str] = set()
-        for index, (output, entries) in enumerate(steps):
-            self.index = index
-            copied_from = self._copied_from_bad(output) if index else {}
-            admitted: dict[str, tuple[Sequence[Sequence[int]], int]] = {}
-            for req_id, block_ids, num_computed_tokens in admissions(output):
-                if index or req_id not in loaders:
-                    if req_id in loaders:
-                        readmitted.add(req_id)
-                    admitted[req_id] = (block_ids, num_computed_tokens)
-                    tainted.discard(req_id)
-                    kept.pop(req_id, None)
-            if index:
-                for req_id in [r for r in entries if r in tainted]:
-                    removed = self._remove_bad(req_id, entries.pop(req_id))
-                    if req_id in self.loaders:
-                        self.loaders[req_id].update(removed)
-            self._remove_moved_onto(entries, copied_from)
-            self._remove_readers(entries, admitted, tainted, kept, copied_from)
-            if index:
-                self._note_rewritten(output, entries, copied_from)
-        self.readers = tainted - (loaders - readmitted)
-        self.kv_cache_manager.rewind_num_cached_blocks(self.loaders)
-
-
-class WithoutRecomputedKeptRollback(OtherFailedLoadWalk):
-    """The guard, minus the seed-17 rule (see :class:`KeptEntriesStay`)."""
-
-    walk_class = KeptEntriesStay
-
-
 class ReadmittedLoadersStayLoaders(OtherReaders):
     """No loader admitted afresh in a later step is judged a reader there: a loader
     preempted (by a reset of the running requests) before its failed load's report, and
@@ -142,20 +63,23 @@ class ReadmittedLoadersStayLoaders(OtherReaders):
         return self.readers - self.loaders.keys()
 
 
-class WithoutReadmittedReaders(OtherFailedLoadWalk):
-    """The guard, minus the seed-2 rule (see :class:`ReadmittedLoadersStayLoaders`)."""
+class Mutation(NamedTuple):
+    """The rules a mutated guard runs, and its failed-load rollback."""
 
-    walk_class = ReadmittedLoadersStayLoaders
+    rules: type[UncommittedPrefixCache]
+    rollback: type[FailedKVLoads]
+
+    def attach(self, scheduler: Any) -> None:
+        from vllm_prefix_guard.hooks import attach_guard
+
+        attach_guard(scheduler, self.rules(scheduler.kv_cache_manager), self.rollback)
 
 
-RulesFactory = Callable[[Any], UncommittedPrefixCache]
-
-#: Mutation name -> the rules it runs instead of the guard's.
-MUTATIONS: dict[str, RulesFactory] = {
-    "no-reader-rollback": WithoutReaderRollback,
-    "no-dropped-step-rollback": WithoutDroppedStepRollback,
-    "no-recomputed-kept-rollback": WithoutRecomputedKeptRollback,
-    "no-readmitted-reader": WithoutReadmittedReaders,
+#: Mutation name -> the guard it runs instead.
+MUTATIONS: dict[str, Mutation] = {
+    "no-reader-rollback": Mutation(UncommittedPrefixCache, ReadersKeepBadKV),
+    "no-dropped-step-rollback": Mutation(WithoutDroppedStepRollback, FailedKVLoads),
+    "no-readmitted-reader": Mutation(UncommittedPrefixCache, ReadmittedLoadersStayLoaders),
 }
 
 #: What each mutation (and stock, for the zombie) must be caught on: a small scope.
@@ -163,8 +87,5 @@ MUTATION_SCOPES: dict[str, str] = {
     "stock": "ci",
     "no-reader-rollback": "sync-fcfs-recompute",
     "no-dropped-step-rollback": "async-fcfs-recompute",
-    # The seed-17 window opens only where blocks of a step in flight are freed at once
-    # (vLLM's deferred free off): see that scope's description.
-    "no-recomputed-kept-rollback": "async-priority-unfenced",
     "no-readmitted-reader": "async-reset-loader",
 }

@@ -20,8 +20,7 @@ Events per iteration (arrivals apply first, then the abort, then the reset, as i
 - ``reset_prefix_cache`` (``resets``; preempting the running requests first when
   ``reset_running``);
 - the KV load of the step just scheduled fails on any non-empty subset of the blocks it
-  loads (scopes with a ``kv_load_failure_policy``; blocks of requests whose
-  ``load_may_fail`` is off never fail);
+  loads (scopes with a ``kv_load_failure_policy``);
 - the output of the oldest step in flight is dropped and the next step's output comes
   back first (``drops``, async scopes): see ``system.Lane.drop_oldest`` for exactly when.
 """
@@ -44,14 +43,9 @@ class RequestSpec:
     priority: int = 0
     # The fake connector holds this many leading tokens remotely (whole blocks load).
     external_tokens: int = 0
-    # Whether the explorer may fail this request's loads (scopes with a load-failure
-    # policy): a scope that needs one loader whose loads never fail says so here.
-    load_may_fail: bool = True
 
     def describe(self) -> str:
         extra = f", {self.external_tokens} remote" if self.external_tokens else ""
-        if self.external_tokens and not self.load_may_fail:
-            extra += " (its loads never fail)"
         return (
             f"prompt {list(self.prompt)} ({prompt_length(self.prompt)} tokens), "
             f"max_tokens {self.max_tokens}, priority {self.priority}{extra}"
@@ -90,11 +84,6 @@ class Scope:
     # The state group's prefix-cache retention (``SchedulerSpec.retention_interval``):
     # None keeps every boundary state, 0 (an engine's default) a prompt's checkpoint only.
     retention_interval: int | None = None
-    # Blocks of a step in flight freed at once: vLLM's deferred block free
-    # (``Scheduler.defer_block_free``) switched off. No configuration of vLLM 0.30-0.33
-    # does this where a load can fail (a KV consumer with steps in flight always defers);
-    # a scope sets it only to reach the window one rule still guards (see ``SCOPES``).
-    unfenced_frees: bool = False
 
     @property
     def depth(self) -> int:
@@ -132,27 +121,19 @@ class Scope:
         events = [f"up to {self.arrivals_per_step} arrival(s) {order}"]
         events += ["an abort"] * self.aborts + ["a prefix-cache reset"] * self.resets
         if self.load_failures:
-            never = [
-                f"r{index}'s"
-                for index, request in enumerate(self.requests)
-                if request.external_tokens and not request.load_may_fail
-            ]
             events.append(
                 f"the failure of any subset of the step's KV loads "
-                f"(policy {self.kv_load_failure_policy}"
-                + "".join(f"; {name} never fail" for name in never)
-                + ")"
+                f"(policy {self.kv_load_failure_policy})"
             )
         events += ["a dropped output"] * self.drops
         model = ", a hybrid model (a Mamba state group, align mode)" * self.mamba_align
         model += ", a prompt's checkpoint the only state retained" * (self.retention_interval == 0)
-        fence = ", frees of blocks in flight not deferred" * self.unfenced_frees
         return (
             f"every sequence of {self.horizon} engine iterations, each with any of: "
             f"{'; '.join(events)}; over {len(self.requests)} requests on a "
             f"{self.num_blocks}-block pool (block size {self.block_size}, "
             f"{self.max_num_batched_tokens}-token budget, {self.policy}, "
-            f"{self.depth} step{'s' * (self.depth > 1)} in flight{model}{fence}), "
+            f"{self.depth} step{'s' * (self.depth > 1)} in flight{model}), "
             f"each run on to its drain"
         )
 
@@ -267,33 +248,6 @@ SCOPES: dict[str, Scope] = {
             horizon=4,
             arrivals="fixed",
             aborts=True,
-        ),
-        Scope(
-            "async-priority-unfenced",
-            "async priority, two steps in flight, frees NOT deferred (unfaithful, see "
-            "unfenced_frees): a loader whose load fails on any subset of its blocks, reset "
-            "(preempting the running requests) while that step is in flight, so its blocks "
-            "go at once to a second loader that vLLM then blames by block id (the "
-            "everything-async seed-17 soak finding's window, policy recompute)",
-            requests=(
-                RequestSpec(
-                    ((100, 4), (200, 8), (300, 1)),
-                    5,
-                    priority=1,
-                    external_tokens=12,
-                    load_may_fail=False,
-                ),
-                RequestSpec(((100, 4), (500, 12), (600, 4)), 2, priority=0, external_tokens=16),
-            ),
-            num_blocks=12,
-            long_prefill_token_threshold=8,
-            policy="priority",
-            async_scheduling=True,
-            kv_load_failure_policy="recompute",
-            horizon=3,
-            arrivals="fixed",
-            resets=True,
-            unfenced_frees=True,
         ),
         Scope(
             "async-reset-loader",

@@ -30,7 +30,7 @@ from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.runner import awaits_dropped_output
 from vllm_prefix_guard.diagnostics.fuzz.workload import expand
 from vllm_prefix_guard.diagnostics.shadow_kv import StepPlan
-from vllm_prefix_guard.hooks import attach_guard, guard_of
+from vllm_prefix_guard.hooks import guard_of
 
 #: Lane modes besides the mutations: vLLM as installed, and the guard.
 BASE_MODES = ("stock", "guard")
@@ -92,13 +92,6 @@ class Step:
 
 
 Path = tuple[Step, ...]
-
-
-def rules_for(mode: str, scheduler: Any) -> Any:
-    """The rules object a guarded lane runs (None: the guard's own)."""
-    if mode == "guard":
-        return None
-    return MUTATIONS[mode](scheduler.kv_cache_manager)
 
 
 @dataclass
@@ -291,12 +284,9 @@ def build_lane(scope: Scope, mode: str) -> Lane:
     else:
         plugin.apply()
         scheduler = make_scheduler(scope.spec())
-        rules = rules_for(mode, scheduler)
-        if rules is not None:
-            attach_guard(scheduler, rules)
+        if mode != "guard":
+            MUTATIONS[mode].attach(scheduler)
         assert guard_of(scheduler) is not None, "prefix caching is off"
-    if scope.unfenced_frees:
-        scheduler.defer_block_free = False
     return Lane(mode, scheduler, MeteredDriver(scheduler, scope.depth))
 
 
@@ -356,12 +346,7 @@ class System:
         failures: list[tuple[LoadedBlock, ...]] = [()]
         if scope.load_failures:
             loaded = sorted(
-                {
-                    (request_id, index)
-                    for lane in self.lanes
-                    for request_id, index in lane.loaded_blocks(scope.block_size)
-                    if scope.requests[int(request_id[1:])].load_may_fail
-                }
+                {b for lane in self.lanes for b in lane.loaded_blocks(scope.block_size)}
             )
             failures = [
                 subset

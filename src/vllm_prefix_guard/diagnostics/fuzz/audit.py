@@ -24,9 +24,7 @@ takes out of the open step, at the end of that step.
   soak of ``hybrid-partial-kv-load-async``, seed 8, vLLM 0.33). What a request computes
   over such bytes, read on a hit of an entry its own tenancy never wrote, counts as
   leftover too when rolled back, and the request as a reader of bad KV: the zeroed block
-  would have made it wrong (a retry's hit on the state block of a request its worker
-  left out, that held a twin's state for the same prefix: the depth-3 soak, seed 3,
-  vLLM 0.33);
+  would have made it wrong;
 - ``stale``: the undo was a no-op (the block lost that registration since).
 
 Counts are kept per rollback cause (the rule that removed the entry). Two more rows
@@ -44,7 +42,6 @@ recomputed).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +59,6 @@ LOADER = "kv_load_failure: loader, failing step"
 LOADER_LATER = "kv_load_failure: loader, later step in flight"
 READER = "kv_load_failure: reader, computed over bad KV"
 DROPPED_STEP = "dropped_step"
-# A request the step's output left out: rolled back as a failed load (rows "not_computed:").
-NOT_COMPUTED = "not_computed"
 ABANDONED_STEP = "abandoned_step"
 
 VALID, NEVER_WRITTEN, WRONG, FAILED_LOAD, LEFTOVER, STALE, UNKNOWN = (
@@ -181,8 +176,6 @@ class RollbackAudit(UncommittedPrefixCache):
         self._admitted_at: dict[str, int] = {}
         # The rule removing entries right now (set around each rule call).
         self.cause = ""
-        # Whether the failed-load rollback running is the not-computed rule's.
-        self.not_computed = False
         worker = driver.worker
         execute = worker.execute
 
@@ -209,7 +202,7 @@ class RollbackAudit(UncommittedPrefixCache):
         for admitted, _, _ in admissions(scheduler_output):
             self._admitted_at[admitted] = step
         self._note_hits(scheduler_output, step)
-        for request_id, entries in self._in_flight[key][1].items():
+        for request_id, entries in (self._entries_of(scheduler_output) or {}).items():
             for entry in entries:
                 self._register(request_id, entry, step)
         self.step += 1
@@ -218,46 +211,34 @@ class RollbackAudit(UncommittedPrefixCache):
         self.cause = PREEMPTED
         super().rollback_preempted(req_id, num_written_tokens)
 
-    def gather_not_computed(
-        self, scheduler_output: Any, computed_req_ids: Any
-    ) -> dict[str, set[int]]:
-        not_computed = super().gather_not_computed(scheduler_output, computed_req_ids)
-        # The failed-load rollback that follows is this rule's: its rows say so.
-        self.not_computed = bool(not_computed)
-        return not_computed
+    @property
+    def rollback_class(self) -> type[FailedKVLoads]:
+        """The failed-load rollback the guard runs with these rules (``attach_guard``),
+        observed: each removal tagged with its rule."""
+        return AuditedFailedKVLoads
 
-    def rollback_failed_loads(
-        self,
-        scheduler_output: Any,
-        invalid_block_ids: set[int],
-        running_req_ids: set[str],
-        loader_req_ids: Collection[str] | None = None,
-    ) -> FailedKVLoads:
+    def failed_loads_reported(self, scheduler_output: Any, invalid_block_ids: set[int]) -> None:
+        """A connector's report names the blocks of that step's loads."""
         step = self._step_of_dispatched.get(id(scheduler_output))
-        if step is not None and not self.not_computed:
-            # A connector's report names the blocks of that step's loads. The not-computed
-            # rule's blocks are another matter: a left-out request's entries moved there
-            # from later steps can sit on blocks that another request of that step wrote
-            # (and lost to a preemption since), so those are judged by content.
+        if step is not None:
             self._invalid_at.setdefault(step, set()).update(invalid_block_ids)
-        rollback = self.failed_kv_loads(running_req_ids)
-        rollback.roll_back(scheduler_output, invalid_block_ids, loader_req_ids)
-        rollback.readers = self.preempting_readers(rollback.readers)
-        self.not_computed = False
-        return rollback
-
-    def failed_kv_loads(self, running_req_ids: set[str]) -> FailedKVLoads:
-        """The rollback the rules build, observed (each removal tagged with its rule)."""
-        return AuditedFailedKVLoads(self, running_req_ids)
 
     def commit_step(self, scheduler_output: Any) -> None:
         """What the step of ``scheduler_output`` keeps (it ran already): all of it must
         be valid. Older steps still in flight are dropped first."""
-        step_in_flight = self._in_flight.get(id(scheduler_output))
+        entries = self._entries_of(scheduler_output)
         self.cause = DROPPED_STEP
         super().commit_step(scheduler_output)
-        if step_in_flight is not None:
-            self._committed(scheduler_output, step_in_flight[1])
+        if entries is not None:
+            self._committed(scheduler_output, entries)
+
+    def _entries_of(self, scheduler_output: Any) -> StepCacheEntries | None:
+        """The record of the step of ``scheduler_output``, while it is in flight (the
+        rules' public view of their steps: a few at most)."""
+        for output, entries in self.steps_in_flight():
+            if output is scheduler_output:
+                return entries
+        return None
 
     def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
         key, block, _ = entry
@@ -474,22 +455,24 @@ class AuditedFailedKVLoads(FailedKVLoads):
 
     uncommitted: RollbackAudit
 
-    def __init__(self, uncommitted: RollbackAudit, running_req_ids: set[str]) -> None:
-        super().__init__(uncommitted, running_req_ids)
+    def __init__(self, uncommitted: RollbackAudit) -> None:
+        super().__init__(uncommitted)
         self._cause: str | None = None
+
+    def roll_back(self, scheduler_output: SchedulerOutput, invalid_block_ids: set[int]) -> None:
+        self.uncommitted.failed_loads_reported(scheduler_output, invalid_block_ids)
+        super().roll_back(scheduler_output, invalid_block_ids)
+        self.readers = self.uncommitted.preempting_readers(self.readers)
 
     def _remove_loaders(
         self,
         scheduler_output: SchedulerOutput,
         entries: StepCacheEntries,
         invalid_block_ids: set[int],
-        loader_req_ids: Collection[str] | None,
     ) -> set[str]:
         self._cause = LOADER
         try:
-            return super()._remove_loaders(
-                scheduler_output, entries, invalid_block_ids, loader_req_ids
-            )
+            return super()._remove_loaders(scheduler_output, entries, invalid_block_ids)
         finally:
             self._cause = None
 
@@ -504,10 +487,7 @@ class AuditedFailedKVLoads(FailedKVLoads):
 
     def _remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
         # Called by the walk itself for a request tainted since an earlier step.
-        cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
-        if self.uncommitted.not_computed:
-            cause = cause.replace("kv_load_failure", NOT_COMPUTED)
-        self.uncommitted.cause = cause
+        self.uncommitted.cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
         return super()._remove_bad(req_id, entries)
 
 
@@ -569,8 +549,9 @@ class IdealPolicy(RollbackAudit):
             return True
         return False
 
-    def failed_kv_loads(self, running_req_ids: set[str]) -> FailedKVLoads:
-        return IdealFailedKVLoads(self, running_req_ids)
+    @property
+    def rollback_class(self) -> type[FailedKVLoads]:
+        return IdealFailedKVLoads
 
     def preempting_readers(self, readers: set[str]) -> set[str]:
         running = {r.request_id for r in self.scheduler.running} & readers

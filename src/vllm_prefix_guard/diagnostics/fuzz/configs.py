@@ -48,8 +48,6 @@ class FuzzConfig:
     system_prompt_blocks: int = 0
     # Stock vLLM must show violations here.
     targeted: bool = False
-    # The worker drops aborted requests from steps in flight (``Workload.drop_aborted``).
-    drop_aborted: bool = False
 
     @property
     def fails_kv_loads(self) -> bool:
@@ -101,7 +99,7 @@ class FuzzConfig:
         if self.failed_loads is not None:
             rng = random.Random(f"{self.name}/{seed}/failed_loads")
             events += failed_load_episodes(rng, self.failed_loads, horizon, size, system)
-        return Workload(self.spec, self.depth, tuple(events), self.drop_aborted)
+        return Workload(self.spec, self.depth, tuple(events))
 
 
 def _spec(**overrides: Any) -> SchedulerSpec:
@@ -347,19 +345,6 @@ CONFIGS: dict[str, FuzzConfig] = {
     )
 }
 
-# The worker of vLLM PR #56525's report on hybrid-retry-async's traffic: vLLM's runners
-# compute every request of a dispatched step; this one leaves an aborted request out, so
-# nothing that step registered for it is written. The guard trusts the step's output
-# (a request it leaves out is rolled back as a failed load), so it must read nothing bad.
-CONFIGS["hybrid-retry-async-drop"] = dataclasses.replace(
-    CONFIGS["hybrid-retry-async"],
-    name="hybrid-retry-async-drop",
-    description="as hybrid-retry-async, with a worker that leaves an aborted request out "
-    "of the steps already dispatched (vLLM PR #56525's worker)",
-    targeted=True,
-    drop_aborted=True,
-)
-
 
 def _with_drafts(config: FuzzConfig, name: str) -> FuzzConfig:
     """``config`` with speculative decoding: three draft tokens per decode step (n-gram
@@ -439,7 +424,7 @@ _EAGLE = {
 }
 
 
-def _with_engine_retention(config: FuzzConfig, targeted: bool = False) -> FuzzConfig:
+def _with_engine_retention(config: FuzzConfig) -> FuzzConfig:
     """``config`` with the prefix-cache retention an engine has by default
     (``--prefix-cache-retention-interval 0``; a ``KVCacheConfig`` built by hand keeps every
     state): the state group keeps only its semantic checkpoints (the prompt's replay
@@ -447,14 +432,14 @@ def _with_engine_retention(config: FuzzConfig, targeted: bool = False) -> FuzzCo
     the prompt's checkpoint only, and drops a transient checkpoint's entry in the step that
     registered it. Fewer states are cached, but a prompt's checkpoint is the state every
     retry and twin resumes from: in the soak stock reads bad state in every one of these
-    (docs/fuzzing.md). ``targeted`` says whether it does in CI's seeds."""
+    (docs/fuzzing.md); none is targeted (CI's few seeds need not show it)."""
     return dataclasses.replace(
         config,
         name=f"{config.name}-sparse",
         description=f"as {config.name}, with vLLM's default prefix-cache retention (only "
         "the replay boundary's state stays cached)",
         spec=dataclasses.replace(config.spec, retention_interval=0),
-        targeted=targeted,
+        targeted=False,
     )
 
 
@@ -463,15 +448,6 @@ def _with_engine_retention(config: FuzzConfig, targeted: bool = False) -> FuzzCo
 #: Each has a fast representative in CI, a hand-built layout named in its description.
 _PARTIAL_LOADS = CONFIGS.pop("hybrid-partial-kv-load-async")
 SOAK_ONLY: dict[str, FuzzConfig] = {
-    "hybrid-partial-retry-async-drop-depth3": dataclasses.replace(
-        CONFIGS["hybrid-partial-retry-async-drop"],
-        name="hybrid-partial-retry-async-drop-depth3",
-        description="as hybrid-partial-retry-async-drop, with three steps in flight (a batch "
-        "queue three deep, as pipeline parallelism keeps): checkpoints moved onto copies "
-        "while the step that names them is still in flight (CI: tests/layouts.py "
-        "HYBRID_MOVED_CHECKPOINT)",
-        depth=3,
-    ),
     **{
         name: dataclasses.replace(
             config,
@@ -491,17 +467,16 @@ SOAK_ONLY: dict[str, FuzzConfig] = {
 }
 
 #: The hybrid configurations with an engine's default retention: CI runs two (the
-#: async retry of vLLM PR #56525, and its dropping worker on partial state hits), the
-#: soak every one.
+#: async retry of vLLM PR #56525, with and without partial state hits), the soak every one.
 _SPARSE = {
     sparse.name: sparse
     for sparse in (
-        _with_engine_retention(config, targeted=config.name == "hybrid-partial-retry-async-drop")
+        _with_engine_retention(config)
         for config in (*CONFIGS.values(), *SOAK_ONLY.values())
         if config.spec.mamba_align
     )
 }
-_SPARSE_IN_CI = ("hybrid-retry-async-sparse", "hybrid-partial-retry-async-drop-sparse")
+_SPARSE_IN_CI = ("hybrid-retry-async-sparse", "hybrid-partial-retry-async-sparse")
 CONFIGS.update((name, _SPARSE[name]) for name in _SPARSE_IN_CI)
 SOAK_ONLY.update(
     (

@@ -249,7 +249,6 @@ def _reorders(guard: RunResult) -> bool:
         guard.rolled_back_preempted
         + guard.rolled_back_kv_load_failure
         + guard.rolled_back_dropped_step
-        + guard.rolled_back_not_computed
         > 0
     )
 

@@ -89,9 +89,8 @@ class MeteredDriver(Driver):
         scheduler: Any,
         depth: int,
         sample: Callable[[str, int], int] | None = None,
-        drop_aborted: bool = False,
     ) -> None:
-        super().__init__(scheduler, depth, sample, drop_aborted)
+        super().__init__(scheduler, depth, sample)
         self.worker.kv = self.fuzz_kv = FuzzKV(self.worker.block_size)
         # With KV events on: a consumer replayed from them, checked after every step.
         self.events = KVEventReplay(scheduler) if KVEventReplay.enabled(scheduler) else None
@@ -131,10 +130,9 @@ class MeteredDriver(Driver):
                 self.events.check()
             return result
         finally:
-            # The oracle does not check every read (e.g. of a request whose load failed,
-            # or one the worker left out of the step: ``plan.dropped``); forget them all, so
-            # a later read reusing an id is not taken for one.
-            for read in (*plan.reads, *plan.dropped):
+            # The oracle does not check every read (e.g. of a request whose load failed);
+            # forget them all, so a later read reusing an id is not taken for one.
+            for read in plan.reads:
                 self.fuzz_kv.admission_reads.pop(id(read), None)
 
     def _observe(self, plan: StepPlan) -> None:

@@ -16,7 +16,7 @@ COLUMNS = (
     "of which on bad KV",
     "computed tokens",
     "preemptions",
-    "rolled back: preempted (in flight) / KV load / dropped step / not computed",
+    "rolled back: preempted (in flight) / KV load / dropped step",
     "peak ledger",
     "steps",
 )
@@ -25,8 +25,7 @@ COLUMNS = (
 def _row(result: ConfigResult, run: RunResult, first: bool) -> list[str]:
     rolled = (
         f"{run.rolled_back_preempted} ({run.rolled_back_in_flight}) / "
-        f"{run.rolled_back_kv_load_failure} / {run.rolled_back_dropped_step} / "
-        f"{run.rolled_back_not_computed}"
+        f"{run.rolled_back_kv_load_failure} / {run.rolled_back_dropped_step}"
         if run.mode != "stock"
         else "-"
     )

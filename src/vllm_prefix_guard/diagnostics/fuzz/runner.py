@@ -93,7 +93,6 @@ class RunResult:
     rolled_back_in_flight: int = 0
     rolled_back_kv_load_failure: int = 0
     rolled_back_dropped_step: int = 0
-    rolled_back_not_computed: int = 0
     dependents_preempted: int = 0
     peak_uncommitted_entries: int = 0
     # Reads not checked: their step held a block whose failed load vLLM then reported.
@@ -200,7 +199,7 @@ def run_workload(
     started = time.perf_counter()
     with guard_state(mode != "stock"):
         scheduler = make_scheduler(workload.spec)
-        driver = MeteredDriver(scheduler, workload.depth, drop_aborted=workload.drop_aborted)
+        driver = MeteredDriver(scheduler, workload.depth)
         rules: UncommittedPrefixCache | None = None
         if guard_of(scheduler) is not None:
             if mode == "pr43569":
@@ -209,7 +208,9 @@ def run_workload(
                 rules = IdealPolicy(scheduler, driver)
             elif audit:
                 rules = RollbackAudit(scheduler, driver)
-            if rules is not None:
+            if isinstance(rules, RollbackAudit):
+                attach_guard(scheduler, rules, rules.rollback_class)
+            elif rules is not None:
                 attach_guard(scheduler, rules)
         guard = guard_of(scheduler)
         requests = []
@@ -369,7 +370,6 @@ def _result(
         result.rolled_back_preempted = stats.rolled_back_preempted
         result.rolled_back_kv_load_failure = stats.rolled_back_kv_load_failure
         result.rolled_back_dropped_step = stats.rolled_back_dropped_step
-        result.rolled_back_not_computed = stats.rolled_back_not_computed
         result.dependents_preempted = stats.dependents_preempted
         result.peak_uncommitted_entries = stats.peak_uncommitted_entries
     return result

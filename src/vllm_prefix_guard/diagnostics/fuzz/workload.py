@@ -97,9 +97,6 @@ class Workload:
     spec: SchedulerSpec
     depth: int = 1
     events: tuple[Event, ...] = field(default_factory=tuple)
-    # The worker leaves an aborted request out of the steps already dispatched
-    # (``Driver.drop_aborted``): vLLM's runners do not, the worker of vLLM PR #56525 did.
-    drop_aborted: bool = False
 
     def __post_init__(self) -> None:
         ordered = tuple(sorted(self.events, key=lambda e: (e.step, _ORDER[type(e)])))
@@ -130,7 +127,6 @@ class Workload:
             "spec": _spec_overrides(self.spec),
             "depth": self.depth,
             "events": [{"type": type(e).__name__, **dataclasses.asdict(e)} for e in self.events],
-            **({"drop_aborted": True} if self.drop_aborted else {}),
         }
 
     @classmethod
@@ -148,12 +144,7 @@ class Workload:
             if "failed_blocks" in fields:
                 fields["failed_blocks"] = tuple(fields["failed_blocks"])
             events.append(kinds[raw["type"]](**fields))
-        return cls(
-            SchedulerSpec(**data["spec"]),
-            data["depth"],
-            tuple(events),
-            drop_aborted=data.get("drop_aborted", False),
-        )
+        return cls(SchedulerSpec(**data["spec"]), data["depth"], tuple(events))
 
     def to_python(self, name: str = "WORKLOAD") -> str:
         """Source for this workload, importing only what it uses; a test can paste it."""
@@ -170,7 +161,7 @@ class Workload:
             "    events=(",
         ]
         lines += [f"        {_event_source(e)}," for e in self.events]
-        lines += ["    ),", *(["    drop_aborted=True,"] if self.drop_aborted else []), ")"]
+        lines += ["    ),", ")"]
         return "\n".join(lines)
 
 
