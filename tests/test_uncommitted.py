@@ -60,13 +60,13 @@ def test_foreign_output_is_ignored(guard: None) -> None:
     assert scheduler_guard.is_idle and driver.violations == 0
 
 
-def test_schedule_after_one_that_raised_fails_loudly(
+def test_schedule_that_raises_is_undone_at_the_next_schedule(
     guard: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A ``schedule()`` that raised never ends its step; EngineCore dies on it. A
-    scheduler driven on regardless fails at its next ``schedule()`` rather than commit
-    the raised step's entries (4 here) as if written."""
-    driver, _ = guarded_driver(num_blocks=40)
+    """A ``schedule()`` that raised produced no step, and vLLM 0.34's fault tolerance
+    (``enable_fault_tolerance``) resumes the engine loop after it: its entries stay in the
+    open record, and the next ``schedule()`` removes them before it schedules anything."""
+    driver, scheduler_guard = guarded_driver(num_blocks=40)
     driver.add(make_request("a", list(range(1, 65)), max_tokens=8))
     scheduler = driver.scheduler
     pool = scheduler.kv_cache_manager.block_pool
@@ -77,11 +77,16 @@ def test_schedule_after_one_that_raised_fails_loudly(
     monkeypatch.setattr(scheduler, "_update_after_schedule", failing_update_after_schedule)
     with pytest.raises(RuntimeError, match="boom"):
         scheduler.schedule()
-    assert pool.uncommitted_entries is not None
+    assert pool.uncommitted_entries is not None  # the raised step's record, still open
     assert sum(len(entries) for entries in pool.uncommitted_entries.values()) == 4
+    assert scheduler_guard.rules.num_steps_in_flight == 0
+    assert scheduler_guard.stats.rolled_back_dropped_step == 0
+    assert len(pool.cached_block_hash_to_block) == 4
     monkeypatch.undo()
-    with pytest.raises(AssertionError, match="step already open"):
-        scheduler.schedule()
+    removed = pool.guard_removed
+    scheduler.schedule()
+    assert pool.guard_removed - removed == 4  # undone before it scheduled
+    assert scheduler_guard.stats.rolled_back_dropped_step == 4
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

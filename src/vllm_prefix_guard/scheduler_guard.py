@@ -46,8 +46,10 @@ class SchedulerGuard:
     # -- the calls the series places in Scheduler -------------------------------------
 
     def begin_step(self) -> None:
-        """``schedule()`` starts."""
+        """``schedule()`` starts (an earlier one that raised is undone here)."""
+        removed = self.pool.guard_removed
         self.rules.begin_step()
+        self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
 
     def end_step(self, output: Any) -> None:
         """``schedule()`` returns ``output``."""

@@ -15,8 +15,7 @@ from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 from vllm.v1.request import Request
 
-# Type-checked as vLLM's `BlockPool`, whose methods these become; a plain mixin
-# at run time.
+# Type-checked as vLLM's `BlockPool`, a plain mixin at run time.
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
 else:

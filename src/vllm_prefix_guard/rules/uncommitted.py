@@ -13,7 +13,9 @@ is a wrong answer for every later hit. The rules remove exactly those:
    writes (dispatched steps are never cancelled).
 2. A step whose output never comes back (a later step commits first) wrote
    nothing: its entries go when the later step commits.
-3. Blocks a KV connector finished loading hold written KV: their entries are
+3. A `schedule()` that raised produced no step (vLLM's fault tolerance resumes
+   the engine loop after it): its entries go when the next step begins.
+4. Blocks a KV connector finished loading hold written KV: their entries are
    made inside `written()` and not recorded.
 
 NOTE: Same-step sharing needs no rule: lookups run only in the waiting loop of
@@ -79,8 +81,8 @@ class UncommittedPrefixCache:
     def begin_step(self) -> None:
         """Record the new prefix-cache entries of the step being scheduled."""
         block_pool = self.kv_cache_manager.block_pool
-        # A `schedule()` that raised never ends its step; EngineCore dies on it.
-        assert block_pool.uncommitted_entries is None, "step already open"
+        if block_pool.uncommitted_entries is not None:
+            self._remove_step(block_pool.uncommitted_entries)  # Rule 3.
         block_pool.uncommitted_entries = {}
 
     def end_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -104,8 +106,7 @@ class UncommittedPrefixCache:
             _, entries = self.step_id_to_entries.pop(oldest_id)
             if oldest_id == step_id:
                 return
-            for req_id, req_entries in entries.items():
-                self.remove_entries(req_id, req_entries)
+            self._remove_step(entries)
 
     def reset(self) -> None:
         """`reset_prefix_cache` removed every entry: forget the records."""
@@ -151,3 +152,7 @@ class UncommittedPrefixCache:
     def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
         """Remove one entry of `req_id`; False if it was no longer cached."""
         return self.kv_cache_manager.block_pool.remove_uncommitted_entry(entry)
+
+    def _remove_step(self, entries: StepCacheEntries) -> None:
+        for req_id, req_entries in entries.items():
+            self.remove_entries(req_id, req_entries)
