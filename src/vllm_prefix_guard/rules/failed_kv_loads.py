@@ -56,8 +56,8 @@ def blocks_read(
 def admissions(
     scheduler_output: SchedulerOutput,
 ) -> Iterator[tuple[str, Sequence[Sequence[int]], int]]:
-    """The requests a step admits, new or resumed, with their `Admission`
-    (prefix-cache hit plus KV loaded by a connector)."""
+    """The requests a step admits, new or resumed: ID and `Admission` fields
+    (computed: prefix-cache hit plus KV loaded by a connector)."""
     for new_req in scheduler_output.scheduled_new_reqs:
         if new_req.block_ids:
             yield new_req.req_id, new_req.block_ids, new_req.num_computed_tokens

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from vllm_prefix_guard.hooks import attach_guard
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
@@ -70,8 +71,6 @@ class Mutation(NamedTuple):
     rollback: type[FailedKVLoads]
 
     def attach(self, scheduler: Any) -> None:
-        from vllm_prefix_guard.hooks import attach_guard
-
         attach_guard(scheduler, self.rules(scheduler.kv_cache_manager), self.rollback)
 
 

@@ -233,12 +233,10 @@ class RollbackAudit(UncommittedPrefixCache):
             self._committed(scheduler_output, entries)
 
     def _entries_of(self, scheduler_output: Any) -> StepCacheEntries | None:
-        """The record of the step of ``scheduler_output``, while it is in flight (the
-        rules' public view of their steps: a few at most)."""
-        for output, entries in self.steps_in_flight():
-            if output is scheduler_output:
-                return entries
-        return None
+        """The record of the step of ``scheduler_output``, while it is in flight (keyed
+        as the rules key it)."""
+        record = self.step_id_to_entries.get(id(scheduler_output))
+        return None if record is None else record[1]
 
     def remove_entry(self, req_id: str | None, entry: UncommittedEntry) -> bool:
         key, block, _ = entry
