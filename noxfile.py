@@ -533,6 +533,24 @@ def upstream(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="upstream-prs", python=False)
+def upstream_prs(session: nox.Session) -> None:
+    """The pull requests against vLLM 0.34 (upstream/prs/): up to date, tests both ways; 3 min.
+
+    Each patch is what ``upstream/prs.py`` writes from the call sites and tests, and each
+    pull request's tests fail on stock vLLM 0.34.0 and pass with it. Its oracle proof
+    (the fuzzer with the patched vLLM as stock) is ``python upstream/prs.py --prove``."""
+    venv = vllm_venv(session, "0.34.0")
+    tests = with_vllm_tests(session, venv, "0.34.0", "ci")
+    prs = str(ROOT / "upstream" / "prs.py")
+    work = str(ROOT / ".nox" / "upstream" / "prs")
+    run_in(session, venv, "python", prs, "--vllm-tests", str(tests), "--check")
+    run_in(
+        session, venv, "python", prs, "--vllm-tests", str(tests), "--work", work,
+        "--tests-both-ways",
+    )  # fmt: skip
+
+
 @nox.session(name="upstream-full", python=False, default=False)
 def upstream_full(session: nox.Session) -> None:
     """The upstream series' full proof on vLLM 0.33, into results.json; 15 min.

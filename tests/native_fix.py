@@ -32,8 +32,8 @@ METHODS: dict[str, Any] = {
     "end_step": lambda self, scheduler_output: None,
     "commit_step": lambda self, scheduler_output: None,
     "reset": lambda self: None,
-    "written": lambda self: None,
     "rollback_preempted": lambda self, req_id, num_written_tokens: None,
+    "drop_steps_in_flight": lambda self: None,
 }
 
 

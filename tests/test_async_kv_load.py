@@ -6,8 +6,8 @@ them only in ``_update_waiting_for_remote_kv``, once a step's output lists the r
 reported per request (``failed_recving``: the only report vLLM 0.31+ takes on a model with
 several KV-cache groups) and the request starts over; a failure of some blocks (one
 group only) truncates it to the blocks before the first failed one, which alone are
-registered. Stock vLLM reads nothing bad here, and the guard (which runs
-``_update_waiting_for_remote_kv`` as a write) must change nothing: these tests hold both
+registered. Stock vLLM reads nothing bad here, and the guard (which records those
+entries in the open step like any other) must change nothing: these tests hold both
 to the shadow-KV oracle, which on a hybrid model also checks the boundary state the
 connector loads.
 """

@@ -145,12 +145,12 @@ def test_enabling_through_vllm_loader_guards_new_schedulers(
 
 
 def test_missing_target_fails_loudly_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(Scheduler, "_update_waiting_for_remote_kv")
+    monkeypatch.delattr(Scheduler, "_preempt_request")
     monkeypatch.setenv(ENV_VAR, "1")
     with pytest.raises(GuardUnsupportedError) as excinfo:
         _load_general_plugins(monkeypatch, None)
     message = str(excinfo.value)
-    assert "Scheduler._update_waiting_for_remote_kv does not exist" in message
+    assert "Scheduler._preempt_request does not exist" in message
     assert vllm.__version__ in message and "VLLM_PREFIX_GUARD=0" in message
     assert not plugin.is_applied() and Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
 

@@ -174,7 +174,7 @@ def test_a_committed_partial_entry_is_not_lost_to_a_rolled_back_full_key() -> No
     assert partial is not None and block.block_hash is partial  # a partial primary
     rules.end_step(written := object())
     rules.commit_step(written)
-    assert rules.num_steps_in_flight == 0 and pool.uncommitted_entries is None
+    assert len(rules.step_id_to_entries) == 0 and pool.uncommitted_entries is None
     rules.begin_step()
     pool.cache_full_blocks(request, [block], 0, 1, 32, 0)
     full = block.block_hash

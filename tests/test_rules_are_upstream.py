@@ -1,12 +1,14 @@
-"""The plugin and the upstream series run one copy of the rules.
+"""The plugin, the upstream series and the pull requests run one copy of the rules.
 
 ``upstream/series.py`` writes ``src/vllm_prefix_guard/rules`` into vLLM: whole modules
 become new vLLM files, classes lend their methods to vLLM's classes, the entry types go
 before ``BlockHashToBlockMap``. Here the committed series is read back, without vLLM:
 each new file, once every part is applied, is the rules module line for line, and each
 method and name stands in its part's patch as the rules have it. Only the license
-header and the import lines may differ. (``nox -s upstream`` also regenerates the series
-from vLLM 0.33.0 and fails if a committed patch is stale.)
+header and the import lines may differ. The pull requests against vLLM 0.34.0
+(``upstream/prs.py``) are read back the same way. (``nox -s upstream`` and ``nox -s
+upstream-prs`` also regenerate the patches from vLLM and fail if a committed one is
+stale.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "upstream"))
 
+import prs  # noqa: E402
 import series  # noqa: E402
+
+#: Every patch made of the rules: the series' parts and the pull requests.
+PATCHES = (*series.PARTS, *prs.PULL_REQUESTS)
 
 
 def without_imports(text: str) -> list[str]:
@@ -98,7 +104,7 @@ def test_every_new_vllm_file_is_its_rules_module(tmp_path: Path) -> None:
 
 def test_every_method_and_name_stands_in_its_part_as_the_rules_have_it() -> None:
     checked = 0
-    for part in series.PARTS:
+    for part in PATCHES:
         patch = part.patch_file.read_text()
         for item in part.generated:
             if isinstance(item, series.Methods):
@@ -109,9 +115,9 @@ def test_every_method_and_name_stands_in_its_part_as_the_rules_have_it() -> None
                 expected = series.names_text(item.rules_module, item.names)
             else:
                 continue
-            assert expected.rstrip("\n") in added_blocks(patch, item.path), (part.name, item)
+            assert expected.rstrip("\n") in added_blocks(patch, item.path), (part, item)
             checked += 1
-    assert checked >= 3
+    assert checked >= 4
 
 
 def test_part_one_creates_the_whole_uncommitted_module() -> None:
@@ -123,8 +129,8 @@ def test_part_one_creates_the_whole_uncommitted_module() -> None:
     assert created == series.vllm_module_text("uncommitted").rstrip("\n")
 
 
-def test_the_series_never_names_this_project() -> None:
-    for part in series.PARTS:
+def test_the_patches_never_name_this_project() -> None:
+    for part in PATCHES:
         text = part.patch_file.read_text().lower()
         body = text.split("\n---\n", 1)[1]
-        assert "prefix-guard" not in body and "prefix_guard" not in body, part.name
+        assert "prefix-guard" not in body and "prefix_guard" not in body, part.patch_file

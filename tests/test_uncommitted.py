@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
 from vllm_prefix_guard.hooks import guard_of
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 
@@ -32,7 +32,7 @@ def test_step_that_never_comes_back_is_rolled_back(guard: None) -> None:
     driver.add(make_request("a", list(range(1, 65)), max_tokens=8))
     dropped = driver.scheduler.schedule()  # never executed, never updated
     assert scheduler_guard.pool.uncommitted_entries is None
-    assert scheduler_guard.rules.num_steps_in_flight == 1
+    assert len(scheduler_guard.rules.step_id_to_entries) == 1
     registered = scheduler_guard.counters()["registrations_tracked"]
     assert registered == 4
     pool = driver.scheduler.kv_cache_manager.block_pool
@@ -40,7 +40,34 @@ def test_step_that_never_comes_back_is_rolled_back(guard: None) -> None:
     driver.schedule()
     driver.complete()
     assert scheduler_guard.stats.rolled_back_dropped_step == registered
-    assert dropped is not None and scheduler_guard.rules.num_steps_in_flight == 0
+    assert dropped is not None and len(scheduler_guard.rules.step_id_to_entries) == 0
+
+
+def test_steps_in_flight_go_when_a_fault_finishes_every_request(mode: str) -> None:
+    """vLLM's fault tolerance (``--enable-fault-tolerance``) after a fault in the engine
+    loop: ``on_fault`` finishes every request and the drain passes empty outputs, so the
+    step that failed never comes back. A request with the same prompt, the first after
+    recovery, found its never-written blocks cached (stock, and the guard until rule 4:
+    the step was undone only when a later one committed, after that lookup)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(num_blocks=40, async_scheduling=True)
+    driver = Driver(scheduler, depth=2)
+    prompt = list(range(1, 65))
+    driver.add(make_request("a", [*prompt, 900], max_tokens=8))
+    assert scheduler.schedule().num_scheduled_tokens  # its execution fails
+    scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(SchedulerOutput.make_empty(), EMPTY_MODEL_RUNNER_OUTPUT)
+    driver.add(make_request("b", [*prompt, 901], max_tokens=4))
+    driver.run()
+    if mode == "stock":
+        assert driver.kv.counts[NEVER_WRITTEN] == len(prompt) * 4  # its hit, read in 4 steps
+    else:
+        assert driver.violations == 0
+        guard = guard_of(scheduler)
+        assert guard is None or guard.stats.rolled_back_dropped_step == 4
 
 
 def test_foreign_output_is_ignored(guard: None) -> None:
@@ -53,7 +80,7 @@ def test_foreign_output_is_ignored(guard: None) -> None:
     driver.add(make_request("a", list(range(1, 65)), max_tokens=8))
     driver.schedule()
     driver.scheduler.update_from_output(SchedulerOutput.make_empty(), EMPTY_MODEL_RUNNER_OUTPUT)
-    assert scheduler_guard.rules.num_steps_in_flight == 1
+    assert len(scheduler_guard.rules.step_id_to_entries) == 1
     assert scheduler_guard.stats.rolled_back == 0
     driver.complete()
     driver.run()
@@ -79,7 +106,7 @@ def test_schedule_that_raises_is_undone_at_the_next_schedule(
         scheduler.schedule()
     assert pool.uncommitted_entries is not None  # the raised step's record, still open
     assert sum(len(entries) for entries in pool.uncommitted_entries.values()) == 4
-    assert scheduler_guard.rules.num_steps_in_flight == 0
+    assert len(scheduler_guard.rules.step_id_to_entries) == 0
     assert scheduler_guard.stats.rolled_back_dropped_step == 0
     assert len(pool.cached_block_hash_to_block) == 4
     monkeypatch.undo()
@@ -104,7 +131,7 @@ def test_records_are_bounded_and_empty_when_idle(guard: None, async_scheduling: 
             driver.schedule()
             after = scheduler_guard.counters()["registrations_tracked"]
             per_step_peak = max(per_step_peak, after - before)
-        assert scheduler_guard.rules.num_steps_in_flight <= driver.depth
+        assert len(scheduler_guard.rules.step_id_to_entries) <= driver.depth
         if driver.in_flight and (
             len(driver.in_flight) >= driver.depth or not scheduler.has_requests()
         ):

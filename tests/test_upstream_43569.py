@@ -153,10 +153,10 @@ def test_reset_prefix_cache_clears_the_records(guard: None) -> None:
     driver.step()
     driver.step()
     scheduler_guard = guard_of(scheduler)
-    assert scheduler_guard is not None and scheduler_guard.rules.num_steps_in_flight >= 1
+    assert scheduler_guard is not None and len(scheduler_guard.rules.step_id_to_entries) >= 1
     assert scheduler.reset_prefix_cache(reset_running_requests=True)
     rules = scheduler_guard.rules
-    assert rules.num_steps_in_flight == 0 and not rules.steps_in_flight()
+    assert len(rules.step_id_to_entries) == 0 and not rules.steps_in_flight()
     driver.run()
     assert driver.violations == 0 and scheduler_guard.is_idle
 
@@ -174,11 +174,11 @@ def test_steps_in_flight_commit_in_order_and_survive_abort(mode: str) -> None:
     driver.schedule()
     guard = guard_of(scheduler)
     if guard is not None:
-        assert guard.rules.num_steps_in_flight == 2
+        assert len(guard.rules.step_id_to_entries) == 2
     driver.abort("b")
     driver.complete()
     if guard is not None:
-        assert guard.rules.num_steps_in_flight == 1
+        assert len(guard.rules.step_id_to_entries) == 1
     driver.run()
     late = make_request("late", list(range(500, 532)) + [7] * 16)
     num_hit_tokens = scheduler.kv_cache_manager.get_computed_blocks(late)[1]

@@ -157,20 +157,6 @@ from vllm.v1.core.sched.uncommitted import UncommittedPrefixCache
     ),
     Edit(
         SCHEDULER,
-        """            # Promote request to waiting or preempted.
-            self._update_waiting_for_remote_kv(request)
-""",
-        """            # Promote request to waiting or preempted.
-            if self.uncommitted_prefix_cache is None:
-                self._update_waiting_for_remote_kv(request)
-            else:
-                # The connector finished writing the KV it caches.
-                with self.uncommitted_prefix_cache.written():
-                    self._update_waiting_for_remote_kv(request)
-""",
-    ),
-    Edit(
-        SCHEDULER,
         """            eco.scheduler_stats = stats
 
         return engine_core_outputs
@@ -204,10 +190,39 @@ from vllm.v1.core.sched.uncommitted import UncommittedPrefixCache
     ),
 )
 
+#: Part 1 too: every request finished at once (fault tolerance, after a fault in the
+#: engine loop) leaves no step in flight to come back.
+FINISH_ALL: tuple[Edit, ...] = (
+    Edit(
+        SCHEDULER,
+        """        else:
+            request_ids = self.requests.keys()
+""",
+        """        else:
+            if self.uncommitted_prefix_cache is not None:
+                # Every request at once (fault tolerance, after a fault): no
+                # step in flight comes back.
+                self.uncommitted_prefix_cache.drop_steps_in_flight()
+            request_ids = self.requests.keys()
+""",
+    ),
+)
+
 #: Part 2, failed KV loads: roll back before vLLM handles the failure (which may free
 #: the requests involved), preempt the readers of bad KV before the step's stats; the
 #: pool caches a loader's recomputed blocks around those that loaded fine.
 FAILED_KV_LOADS: tuple[Edit, ...] = (
+    Edit(
+        BLOCK_POOL,
+        """        self.uncommitted_entries: StepCacheEntries | None = None
+""",
+        """        self.uncommitted_entries: StepCacheEntries | None = None
+        # (Request ID, KV cache group ID) of each loader whose cached-block
+        # count a failed KV load's rollback rewound below blocks that kept
+        # their entry (see `cache_around_kept_blocks`).
+        self.kept_block_owners: set[tuple[str, int]] = set()
+""",
+    ),
     Edit(
         BLOCK_POOL,
         """        if num_cached_blocks >= num_full_blocks:
@@ -216,7 +231,7 @@ FAILED_KV_LOADS: tuple[Edit, ...] = (
 """,
         """        if num_cached_blocks >= num_full_blocks:
             return
-        if self.cache_around_kept_blocks(
+        if self.kept_block_owners and self.cache_around_kept_blocks(
             request,
             blocks,
             num_cached_blocks,
@@ -474,5 +489,288 @@ from vllm.distributed.kv_events import (
         for block_hash in self.uncached_block_hashes(block_hashes):
             self.kv_event_queue.append(
                 BlockRemoved(""",
+    ),
+)
+
+
+# -- Pull requests against vLLM 0.34.0, each on its own (prs.py) ------------------------
+
+CORE_TEST_UTILS = "tests/v1/core/utils.py"
+
+#: Test helpers the pull requests' tests share, in vLLM's ``tests/v1/core/utils.py``.
+CORE_TEST_HELPERS: tuple[Edit, ...] = (
+    Edit(
+        CORE_TEST_UTILS,
+        """from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+""",
+        """from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+""",
+    ),
+    Edit(
+        CORE_TEST_UTILS,
+        """from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+""",
+        """from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+""",
+    ),
+    Edit(
+        CORE_TEST_UTILS,
+        """        kv_cache_planning.get_global_kv_cache_groups(vllm_config, kv_cache_specs),
+    )
+""",
+        '''        kv_cache_planning.get_global_kv_cache_groups(vllm_config, kv_cache_specs),
+    )
+
+
+def create_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    max_tokens: int = 16,
+    priority: int = 0,
+    block_size: int = 16,
+) -> Request:
+    """A request with a prompt of its own."""
+    global _none_hash_initialized
+    if not _none_hash_initialized:
+        init_none_hash(sha256)
+        _none_hash_initialized = True
+    sampling_params = SamplingParams(max_tokens=max_tokens)
+    sampling_params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        priority=priority,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def update_step(
+    scheduler: Scheduler, scheduler_output: SchedulerOutput, requests: list[Request]
+) -> None:
+    """Update the scheduler with a runner's output for a scheduled step: one
+    token for each request but a prefill chunk."""
+    scheduled = [
+        request
+        for request in requests
+        if request.request_id in scheduler_output.num_scheduled_tokens
+    ]
+    model_runner_output = ModelRunnerOutput(
+        req_ids=[request.request_id for request in scheduled],
+        sampled_token_ids=[[] if r.is_prefill_chunk else [0] for r in scheduled],
+    )
+    scheduler.update_from_output(scheduler_output, model_runner_output)
+
+
+def run_step(scheduler: Scheduler, requests: list[Request]) -> SchedulerOutput:
+    """One synchronous engine step."""
+    scheduler_output = scheduler.schedule()
+    update_step(scheduler, scheduler_output, requests)
+    return scheduler_output
+
+
+def num_hit_tokens(
+    scheduler: Scheduler, request: Request, max_cache_hit_length: int | None = None
+) -> int:
+    """Tokens a new request with `request`'s prompt finds in the prefix cache
+    (all but its last token at most, or `max_cache_hit_length`)."""
+    if max_cache_hit_length is None:
+        max_cache_hit_length = request.num_prompt_tokens - 1
+    return scheduler.kv_cache_manager.get_computed_blocks(
+        request, max_cache_hit_length
+    )[1]
+''',
+    ),
+)
+
+KV_CACHE_MANAGER = "vllm/v1/core/kv_cache_manager.py"
+
+#: A request preempted in the ``schedule()`` that scheduled it (priority policy): its
+#: blocks cached for that step's tokens are evicted before ``_preempt_request`` frees
+#: them. Without the commit fence's record, the blocks say which they are: a cached
+#: block's hash covers ``block_hash_num_tokens`` tokens.
+EVICT_PREEMPTED_BLOCKS: tuple[Edit, ...] = (
+    Edit(
+        KV_CACHE_MANAGER,
+        """        self.block_pool.evict_blocks(block_ids)
+
+""",
+        """        self.block_pool.evict_blocks(block_ids)
+
+    def evict_blocks_past_computed(self, request: Request) -> None:
+        \"\"\"Evict from the prefix cache the blocks of `request` cached for
+        tokens past its computed ones, before a preemption frees them.
+
+        `allocate_slots` caches the blocks a step is about to compute, so that
+        requests in the same batch can share them. A request preempted in the
+        `schedule()` that scheduled it never computes them.
+        \"\"\"
+        num_computed_tokens = request.num_computed_tokens
+        self.evict_blocks(
+            {
+                block.block_id
+                for blocks in self.coordinator.get_blocks(request.request_id)
+                for block in blocks
+                if (block.block_hash_num_tokens or 0) > num_computed_tokens
+            }
+        )
+
+""",
+    ),
+    Edit(
+        SCHEDULER,
+        """                        if preempted_req in scheduled_running_reqs:
+                            preempted_req_id = preempted_req.request_id
+                            scheduled_running_reqs.remove(preempted_req)
+""",
+        """                        if preempted_req in scheduled_running_reqs:
+                            preempted_req_id = preempted_req.request_id
+                            scheduled_running_reqs.remove(preempted_req)
+                            # allocate_slots cached the blocks this step was to
+                            # compute for it; it will not run them.
+                            self.kv_cache_manager.evict_blocks_past_computed(
+                                preempted_req
+                            )
+""",
+    ),
+    *CORE_TEST_HELPERS,
+)
+
+PREFIX_CACHING_TESTS = "tests/v1/core/test_prefix_caching.py"
+
+#: KV events per hash, not per block: ``BlockStored`` when the first block caches a hash,
+#: ``BlockRemoved`` when the last one loses it (the pool's methods come from the rules).
+KV_EVENTS_PER_HASH: tuple[Edit, ...] = (
+    KV_EVENTS[0],
+    Edit(
+        BLOCK_POOL,
+        """        new_hashes: list[ExternalBlockHash] | None = (
+            [] if self.enable_kv_cache_events else None
+        )
+""",
+        """        new_hashes: list[ExternalBlockHash] | None = (
+            [] if self.enable_kv_cache_events else None
+        )
+        # Position and first copy of each block in new_hashes (first_copy_events).
+        copies: list[tuple[int, bool]] = []
+""",
+    ),
+    Edit(
+        BLOCK_POOL,
+        """            self._insert_block_hash(
+                block_hash_with_group_id,
+                blk,
+                num_tokens=num_hash_tokens,
+            )
+            if new_hashes is not None:
+                new_hashes.append(maybe_convert_block_hash(block_hash))
+""",
+        """            if new_hashes is not None:
+                new_hashes.append(maybe_convert_block_hash(block_hash))
+                first_copy = (
+                    self.cached_block_hash_to_block.get_one_block(
+                        block_hash_with_group_id
+                    )
+                    is None
+                )
+                copies.append((i, first_copy))
+            self._insert_block_hash(
+                block_hash_with_group_id,
+                blk,
+                num_tokens=num_hash_tokens,
+            )
+""",
+    ),
+    KV_EVENTS[3],
+    Edit(
+        BLOCK_POOL,
+        """        self._insert_block_hash(
+            block_hash_with_group_id,
+            block,
+            num_tokens=num_hash_blocks * self.hash_block_size,
+        )
+        if self.enable_kv_cache_events and not already_cached:
+""",
+        """        # Announced only where no other block caches the hash yet.
+        first_copy = (
+            self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id)
+            is None
+        )
+        self._insert_block_hash(
+            block_hash_with_group_id,
+            block,
+            num_tokens=num_hash_blocks * self.hash_block_size,
+        )
+        if self.enable_kv_cache_events and not already_cached and first_copy:
+""",
+    ),
+    KV_EVENTS[5],
+    Edit(
+        PREFIX_CACHING_TESTS,
+        """    # Evicting one group's last hashed block lowers the estimate to that group's.
+    full_attention_blocks = manager.get_blocks(request.request_id).blocks[0]
+    manager.block_pool.evict_blocks({full_attention_blocks[3].block_id})
+    assert manager.estimate_cached_tokens(request) == 3 * block_size
+""",
+        '''    # Evicting one group's last hashed block lowers the estimate to that group's.
+    full_attention_blocks = manager.get_blocks(request.request_id).blocks[0]
+    manager.block_pool.evict_blocks({full_attention_blocks[3].block_id})
+    assert manager.estimate_cached_tokens(request) == 3 * block_size
+
+
+def _cache_prompt_twice(prompt: list[int]) -> tuple[KVCacheManager, list[list[int]]]:
+    """A manager whose prefix cache holds `prompt`'s blocks twice: two requests
+    computed it in one batch (no lookup between them), each into blocks of its
+    own, and finished. Returns it and each copy's block IDs."""
+    manager = make_kv_cache_manager(
+        make_kv_cache_config(16, 8),
+        max_model_len=128,
+        enable_caching=True,
+        hash_block_size=16,
+        enable_kv_cache_events=True,
+    )
+    copies = []
+    for request_id in ("a", "b"):
+        request = make_request(request_id, prompt, 16, sha256)
+        assert manager.allocate_slots(request, len(prompt)) is not None
+        copies.append(list(manager.get_block_ids(request_id)[0]))
+        manager.free(request)
+    return manager, copies
+
+
+def test_kv_events_name_a_hash_once_whatever_its_copies():
+    """#55092: `BlockStored` when the first block caches a hash, `BlockRemoved`
+    when the last one loses it, so that KV-event consumers keeping a set of
+    hashes and those counting `BlockStored` per hash both match the cache."""
+    prompt = list(range(32))
+    manager, (copy_a, copy_b) = _cache_prompt_twice(prompt)
+    stored = [e for e in manager.take_events() if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [2]
+
+    probe = make_request("probe", prompt + [0], 16, sha256)
+    for copy, num_removed, num_hit_tokens in ((copy_a, 0, 32), (copy_b, 2, 0)):
+        manager.block_pool.evict_blocks(set(copy))
+        removed = [e for e in manager.take_events() if isinstance(e, BlockRemoved)]
+        assert len(removed) == num_removed
+        assert manager.get_computed_blocks(probe)[1] == num_hit_tokens
+
+
+def test_block_stored_names_only_the_blocks_that_cache_a_hash_first():
+    prompt, tail = list(range(32)), list(range(100, 116))
+    manager, _ = _cache_prompt_twice(prompt)
+    (prompt_stored,) = manager.take_events()
+    request = make_request("c", prompt + tail, 16, sha256)
+    assert manager.allocate_slots(request, len(prompt) + 16) is not None
+
+    (stored,) = manager.take_events()
+    assert isinstance(stored, BlockStored) and len(stored.block_hashes) == 1
+    assert stored.parent_block_hash == prompt_stored.block_hashes[-1]
+    assert list(stored.token_ids) == tail
+''',
     ),
 )

@@ -324,6 +324,113 @@ def overview(results: dict[str, Any]) -> dict[str, str]:
     }
 
 
+#: Upstream PR #43569's size, for the pull requests' table: its test file alone
+#: (tests/v1/core/test_eager_cache_zombie.py, last revision read 2026-06) adds 533
+#: lines; its full diffstat is not in the project's corpus.
+PR_43569_ROW = (
+    "| [#43569](https://github.com/vllm-project/vllm/pull/43569) (open, for "
+    "comparison) | - | its test file alone +533 | - | - |"
+)
+
+
+def pr_added(entry: dict[str, Any]) -> tuple[int, int, int]:
+    """(files, lines added, of them in ``vllm/``)."""
+    files = entry["diffstat"]
+    added = sum(f["added"] for f in files.values())
+    code = sum(f["added"] for path, f in files.items() if path.startswith("vllm/"))
+    return len(files), added, code
+
+
+def pr_tests(entry: dict[str, Any]) -> str:
+    stock, patched = entry["stock"]["tests"], entry["patched"]["tests"]
+    return (
+        f"stock {stock['passed']} passed / {stock['failed']} failed; "
+        f"patched {patched['passed']} passed / {patched['failed']} failed"
+    )
+
+
+#: The KV-event figures: keys a set consumer and a counting consumer get wrong.
+FIGURES_EVENTS = (
+    "kv_event_keys_missing",
+    "kv_event_keys_extra",
+    "kv_event_counted_keys_missing",
+    "kv_event_counted_keys_extra",
+)
+
+
+def pr_fuzz_table(entry: dict[str, Any]) -> str:
+    rows = [
+        "| configuration | bad reads: stock / patched | hit tokens: stock / patched "
+        "| preemptions: stock / patched | KV-event keys wrong, set consumer: stock / patched "
+        "| counting consumer: stock / patched |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    stock, patched = entry["stock"]["fuzz"], entry["patched"]["fuzz"]
+    for name, s in stock.items():
+        q = patched[name]
+        keys = [f["kv_event_keys_missing"] + f["kv_event_keys_extra"] for f in (s, q)]
+        counted = [
+            f["kv_event_counted_keys_missing"] + f["kv_event_counted_keys_extra"] for f in (s, q)
+        ]
+        rows.append(
+            f"| {name} | {s['violations']} / {q['violations']} "
+            f"| {s['hit_tokens']} / {q['hit_tokens']} "
+            f"| {s['preemptions']} / {q['preemptions']} | {keys[0]} / {keys[1]} "
+            f"| {counted[0]} / {counted[1]} |"
+        )
+    return "\n".join(rows)
+
+
+def pr_oracle(entry: dict[str, Any]) -> tuple[str, list[str]]:
+    """How many configurations read bad KV, and have KV events wrong for either consumer
+    model, on stock and patched; and the configurations still reading bad KV patched."""
+    counts = {}
+    for name in ("stock", "patched"):
+        fuzz = entry[name]["fuzz"].values()
+        counts[name] = (
+            sum(bool(f["violations"]) for f in fuzz),
+            sum(any(f[k] for k in FIGURES_EVENTS) for f in fuzz),
+        )
+    left = [n for n, f in entry["patched"]["fuzz"].items() if f["violations"]]
+    (bad, events), (bad_patched, events_patched) = counts["stock"], counts["patched"]
+    total = len(entry["stock"]["fuzz"])
+    return (
+        f"of {total} configurations, bad reads in {bad} on stock and {bad_patched} patched; "
+        f"KV events wrong in {events} on stock and {events_patched} patched"
+    ), left
+
+
+def prs_texts(prs: dict[str, Any]) -> tuple[str, dict[Path, str]]:
+    """The README's table of pull requests, and each one's text."""
+    rows = [
+        "| pull request | patch | lines added (in `vllm/`) | its tests | the oracle |",
+        "|---|---|---|---|---|",
+    ]
+    texts = {}
+    for slug, entry in prs["pull_requests"].items():
+        files, added, code = pr_added(entry)
+        oracle, left = pr_oracle(entry)
+        rows.append(
+            f"| [{entry['subject']}](prs/{slug}.md) | [`{slug}.patch`](prs/{slug}.patch) "
+            f"| {files} files, +{added} ({code}) | {pr_tests(entry)} | {oracle} |"
+        )
+        header = (
+            f"{GENERATED}\n\n[`{slug}.patch`]({slug}.patch) against vLLM {prs['vllm']} "
+            f"({files} files, +{added}, {code} of them in `vllm/`)."
+        )
+        evidence = (
+            f"Its tests: {pr_tests(entry)}. The project's fuzzer (seeds 0-{prs['seeds'] - 1}, "
+            "every configuration, the guard off, KV events replayed into a set and a "
+            f"counting consumer after every step) with this vLLM as stock: {oracle}"
+            f"{' (' + ', '.join(left) + ')' if left else ''}.\n\n" + pr_fuzz_table(entry)
+        )
+        template = (HERE / "prs" / slug / "PR.template.md").read_text()
+        texts[HERE / "prs" / f"{slug}.md"] = fill(
+            template, {"header": header, "evidence": evidence}
+        )
+    return "\n".join([*rows, PR_43569_ROW]), texts
+
+
 def timing(results: dict[str, Any]) -> str:
     seconds = ", ".join(f"{k} {v} s" for k, v in results.get("seconds", {}).items())
     return f"Wall time of each check in its last run (2 CPU cores): {seconds}."
@@ -343,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
-    texts = {HERE / "README.md": fill((HERE / "README.template.md").read_text(), overview(results))}
+    sections = overview(results)
+    sections["prs"], texts = prs_texts(json.loads((HERE / "prs" / "results.json").read_text()))
+    texts[HERE / "README.md"] = fill((HERE / "README.template.md").read_text(), sections)
     for number, part in enumerate(results["series"], start=1):
         stem = part["file"].rsplit("/", 1)[1].removesuffix(".patch")
         added, removed = added_removed(part)

@@ -38,7 +38,7 @@ PARTS_DIR = HERE / "parts"
 SERIES_DIR = HERE / "series"
 sys.path.insert(0, str(HERE))
 
-from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, KV_EVENTS, Edit  # noqa: E402
+from call_sites import COMMIT_FENCE, FAILED_KV_LOADS, FINISH_ALL, KV_EVENTS, Edit  # noqa: E402
 
 #: Where each rules module lives in vLLM (its import lines are rewritten to these).
 VLLM_MODULES = {
@@ -120,7 +120,7 @@ PARTS: tuple[Part, ...] = (
         1,
         "commit-prefix-cache-entries-once-written",
         "[Core][Bugfix] Commit prefix-cache entries only once their KV is written",
-        COMMIT_FENCE,
+        (*COMMIT_FENCE, *FINISH_ALL),
         (
             Names("block_pool", ("UncommittedEntry", "StepCacheEntries"), "BlockHashToBlockMap"),
             Methods(
@@ -313,24 +313,24 @@ def apply_part(part: Part, files: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def touched_paths() -> list[str]:
+def touched_paths(parts: Iterable[Part] = PARTS) -> list[str]:
     paths: set[str] = set()
-    for part in PARTS:
+    for part in parts:
         paths.update(edit.path for edit in part.edits)
         paths.update(item.path for item in part.generated)
         paths.update(part.tests)
     return sorted(paths)
 
 
-def pristine_files(vllm_tests: Path) -> dict[str, str]:
-    """vLLM 0.33.0's own text of every file the series touches (installed package for
-    ``vllm/``, the sdist's ``tests/``); ``""`` for files the series creates."""
+def pristine_files(vllm_tests: Path, parts: Iterable[Part] = PARTS) -> dict[str, str]:
+    """The installed vLLM's own text of every file ``parts`` touch (its package for
+    ``vllm/``, the sdist's ``tests/``); ``""`` for files they create."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         raise SystemExit("vllm is not installed in this Python")
     package = Path(spec.origin).parent.parent
     files = {}
-    for path in touched_paths():
+    for path in touched_paths(parts):
         source = (package if path.startswith("vllm/") else vllm_tests) / path
         files[path] = source.read_text() if source.exists() else ""
     return files
@@ -376,13 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-tests", type=Path, required=True, help="fetch_vllm_tests DEST")
     parser.add_argument("--check", action="store_true", help="fail if a patch is stale")
     args = parser.parse_args(argv)
-    patches = series(args.vllm_tests)
-    stale = [p for p, text in patches.items() if not p.exists() or p.read_text() != text]
-    if args.check:
-        for path in stale:
-            print(f"{path.relative_to(ROOT)} is stale: run upstream/series.py", file=sys.stderr)
-        return 1 if stale else 0
     SERIES_DIR.mkdir(exist_ok=True)
+    return write_patches(series(args.vllm_tests), args.check, "upstream/series.py")
+
+
+def write_patches(patches: dict[Path, str], check: bool, tool: str) -> int:
+    """Write ``patches``; with ``check``, write nothing and fail if one is stale."""
+    stale = [p for p, text in patches.items() if not p.exists() or p.read_text() != text]
+    if check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run {tool}", file=sys.stderr)
+        return 1 if stale else 0
     for path, text in patches.items():
         path.write_text(text)
         print(f"wrote {path.relative_to(ROOT)}")

@@ -8,7 +8,7 @@ version, unpacked by ``scripts/fetch_vllm_tests.py``). With the tree first on
 ``PYTHONPATH``, ``import vllm`` runs the patched sources.
 
 Usage:
-    python upstream/tree.py --vllm-tests DIR --out DIR [--parts N]
+    python upstream/tree.py --vllm-tests DIR --out DIR [--parts N | --patch FILE ...]
 
 Standard library only; run with the Python of the venv whose vLLM is to be patched.
 """
@@ -118,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts", type=int, default=len(SERIES), help="apply the first N parts (0: none)"
     )
+    parser.add_argument(
+        "--patch", type=Path, action="append", help="apply this patch instead (repeatable)"
+    )
     args = parser.parse_args(argv)
-    patches = SERIES[: args.parts]
+    patches = args.patch or SERIES[: args.parts]
     tree = build(args.vllm_tests, args.out, patches)
     names = ", ".join(p.name for p in patches) or "(unpatched)"
     print(f"vLLM tree with {names}: {tree}")

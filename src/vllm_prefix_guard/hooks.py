@@ -5,11 +5,10 @@
     KVCacheCoordinator.__setattr__  graft the mixin onto a pool assigned later (kvcached)
     Scheduler.schedule              begin the step; end it with the output it returns
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
-    Scheduler._update_waiting_for_remote_kv
-                                    record nothing: a connector finished loading that KV
     Scheduler.update_from_output    roll back failed KV loads first; after it, preempt
                                     the readers of bad KV and commit the step
     Scheduler.reset_prefix_cache    drop every record once the pool was reset
+    Scheduler.finish_requests       all at once (fault tolerance): undo the steps in flight
     Scheduler.shutdown              one summary line with the counters, last JSON write
 
 Data flows one way: hook -> guard -> rules -> pool. Each wrapper carries the original's
@@ -166,16 +165,15 @@ def wrap_preempt_request(original: AnyFn) -> AnyFn:
     return _preempt_request
 
 
-def wrap_update_waiting_for_remote_kv(original: AnyFn) -> AnyFn:
+def wrap_finish_requests(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
-    def _update_waiting_for_remote_kv(self: Any, *args: Any, **kwargs: Any) -> Any:
-        guard = guard_of(self)
-        if guard is None:
-            return original(self, *args, **kwargs)
-        with guard.written():
-            return original(self, *args, **kwargs)
+    def finish_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = guard_of(self) if request_ids is None else None
+        if guard is not None:
+            guard.all_requests_finishing()
+        return original(self, request_ids, *args, **kwargs)
 
-    return _update_waiting_for_remote_kv
+    return finish_requests
 
 
 def wrap_update_from_output(original: AnyFn) -> AnyFn:
@@ -257,7 +255,7 @@ _WRAPPERS: dict[str, Callable[[AnyFn], AnyFn]] = {
     "update_from_output": wrap_update_from_output,
     "_preempt_request": wrap_preempt_request,
     "reset_prefix_cache": wrap_reset_prefix_cache,
-    "_update_waiting_for_remote_kv": wrap_update_waiting_for_remote_kv,
+    "finish_requests": wrap_finish_requests,
     "shutdown": wrap_shutdown,
 }
 

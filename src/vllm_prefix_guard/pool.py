@@ -79,6 +79,7 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         self._guard_request_id = None
         self.guard_epoch = 0
         self.guard_recorded = self.guard_removed = self.guard_stale = 0
+        self.kept_block_owners = set()
         native = targets.resolve(targets.BLOCK_POOL, "BlockPool").evict_blocks
         self._guard_evict_releases = type(self).evict_blocks is not native
 
@@ -94,7 +95,7 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         kv_cache_group_id: int,
         block_mask: Any = None,
     ) -> Any:
-        if self.cache_around_kept_blocks(
+        if self.kept_block_owners and self.cache_around_kept_blocks(
             request,
             blocks,
             num_cached_blocks,

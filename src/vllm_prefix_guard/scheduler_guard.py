@@ -14,8 +14,7 @@ few integer reads; a rollback costs what its rule costs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 from vllm_prefix_guard.log import logger
@@ -68,11 +67,12 @@ class SchedulerGuard:
         self.rules.rollback_preempted(request.request_id, request.num_computed_tokens)
         self.stats.rolled_back_preempted += self.pool.guard_removed - removed
 
-    @contextmanager
-    def written(self) -> Iterator[None]:
-        """Around ``_update_waiting_for_remote_kv``: KV a connector finished loading."""
-        with self.rules.written():
-            yield
+    def all_requests_finishing(self) -> None:
+        """``finish_requests(None, ...)``, before vLLM frees them: its fault tolerance
+        aborts every request after a fault, and the steps in flight never come back."""
+        removed = self.pool.guard_removed
+        self.rules.drop_steps_in_flight()
+        self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
 
     def loads_failed(self, output: Any, invalid_block_ids: Iterable[int]) -> FailedKVLoads:
         """``update_from_output`` got failed loads; before vLLM handles them and reads
@@ -101,9 +101,9 @@ class SchedulerGuard:
     def commit_step(self, output: Any) -> None:
         """``update_from_output`` for ``output`` is done."""
         removed = self.pool.guard_removed
-        in_flight = self.rules.num_steps_in_flight
+        in_flight = len(self.rules.step_id_to_entries)
         self.rules.commit_step(output)
-        if self.rules.num_steps_in_flight != in_flight:
+        if len(self.rules.step_id_to_entries) != in_flight:
             self.stats.steps_committed += 1
             if self.pool.guard_removed != removed:
                 self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
@@ -120,7 +120,7 @@ class SchedulerGuard:
     @property
     def is_idle(self) -> bool:
         """No step open, none in flight, nothing uncommitted."""
-        return self.pool.uncommitted_entries is None and not self.rules.num_steps_in_flight
+        return self.pool.uncommitted_entries is None and not self.rules.step_id_to_entries
 
     def counters(self) -> dict[str, int]:
         """The counters as operators read them. Safe from another thread: integer reads

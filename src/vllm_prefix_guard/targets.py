@@ -106,7 +106,7 @@ SCHEDULER_HOOKS: tuple[Internal, ...] = (
         SCHEDULER, "Scheduler._preempt_request", _HOOK, "request", "timestamp", "drop_stale_output"
     ),
     _callable(SCHEDULER, "Scheduler.reset_prefix_cache", _HOOK),
-    _callable(SCHEDULER, "Scheduler._update_waiting_for_remote_kv", _HOOK, "request"),
+    _callable(SCHEDULER, "Scheduler.finish_requests", _HOOK, "request_ids", "finished_status"),
     _callable(SCHEDULER, "Scheduler.shutdown", _HOOK),
 )
 
@@ -249,7 +249,7 @@ NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
         ("UncommittedPrefixCache", "end_step", 1),
         ("UncommittedPrefixCache", "commit_step", 1),
         ("UncommittedPrefixCache", "reset", 0),
-        ("UncommittedPrefixCache", "written", 0),
+        ("UncommittedPrefixCache", "drop_steps_in_flight", 0),
         ("UncommittedPrefixCache", "rollback_preempted", 2),
         ("BlockPool", "remove_uncommitted_entry", 1),
     ),

@@ -118,6 +118,27 @@ def test_guard_keeps_blocks_a_partial_failed_load_loaded_fine() -> None:
     stock, guard = system.lanes
     assert stock.bad_reads == guard.bad_reads == 0
     assert (stock.hit_tokens, guard.hit_tokens) == (12, 12)
+    # r0 cached its recomputed blocks past the kept one: the pool checks no owner
+    # on cache_full_blocks' hot path any more.
+    assert guard.scheduler.kv_cache_manager.block_pool.kept_block_owners == set()
+
+
+def test_kept_block_owner_lives_until_it_passes_its_kept_blocks() -> None:
+    """The one step of ``RECOMPUTED_LOADER_PATH`` where r0's load fails: the rewind
+    names r0 (it kept block 2 past its failed block 1), and r0 leaves once it caches
+    past block 2; an owner freed before that leaves at the next rewind."""
+    scope = SCOPES["sync-fcfs-recompute"]
+    with plugin_restored():
+        system = replay(scope, RECOMPUTED_LOADER_PATH[:1], BOTH)
+        _, guard = system.lanes
+        manager = guard.scheduler.kv_cache_manager
+        owners = manager.block_pool.kept_block_owners
+        assert owners == {("r0", 0)}
+        owners.add(("freed", 0))
+        manager.rewind_num_cached_blocks({})
+        assert owners == {("r0", 0)}
+        drain(system)
+        assert owners == set()
 
 
 #: A request preempted after its load failed starts over: r0's load fails on its block 1,

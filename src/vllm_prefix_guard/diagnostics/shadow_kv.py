@@ -869,6 +869,19 @@ class Driver:
         else:
             self.pending_aborts.append(request_id)
 
+    def fault(self) -> None:
+        """A fault in the engine loop, as vLLM's fault tolerance handles it: the steps
+        in flight never run, ``on_fault`` finishes every request, and the drain passes
+        an empty output."""
+        from vllm.v1.core.sched.output import SchedulerOutput
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+        from vllm.v1.request import RequestStatus
+
+        self.in_flight.clear()
+        self.pending_aborts.clear()
+        self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        self.call_update(SchedulerOutput.make_empty(), EMPTY_MODEL_RUNNER_OUTPUT)
+
     def _finish_aborted(self, request_ids: list[str]) -> None:
         """Abort ``request_ids`` in the scheduler; the steps in flight still compute them."""
         from vllm.v1.request import RequestStatus

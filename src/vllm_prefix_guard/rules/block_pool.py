@@ -33,6 +33,11 @@ StepCacheEntries = dict[str | None, list[UncommittedEntry]]
 class BlockPoolAdditions(BlockPool):
     """The methods the series adds to `BlockPool`."""
 
+    if TYPE_CHECKING:
+        # (Request ID, KV cache group ID) of each loader rewound below blocks
+        # that kept their entry (`KVCacheManager.rewind_num_cached_blocks`).
+        kept_block_owners: set[tuple[str, int]]
+
     def uncached_block_hashes(
         self, block_hashes: list[BlockHashWithGroupId]
     ) -> list[BlockHashWithGroupId]:
@@ -135,22 +140,28 @@ class BlockPoolAdditions(BlockPool):
     ) -> bool:
         """`cache_full_blocks` run by run around blocks of the range already
         cached as the full block they are about to become; False, having done
-        nothing, if there are none (the common case).
+        nothing, if there are none.
 
         Only a failed KV load's rollback leaves such blocks: it keeps the
-        entries of blocks that loaded fine after a failed one, and rewinds the
-        loader's cached-block count to the failed one (`FailedKVLoads`).
+        entries of blocks that loaded fine after a failed one and rewinds the
+        loader's cached-block count to that one, making it a kept-block owner
+        (the caller checks that first) until its last kept block is passed.
         """
+        owner = (request.request_id, kv_cache_group_id)
+        if owner not in self.kept_block_owners:
+            return False
         kept = [
             index
-            for index in range(num_cached_blocks, num_full_blocks)
+            for index in range(num_cached_blocks, len(blocks))
             if blocks[index].block_hash is not None
             and blocks[index].block_hash_num_tokens == (index + 1) * block_size
         ]
-        if not kept:
+        if not kept or kept[-1] < num_full_blocks:
+            self.kept_block_owners.discard(owner)
+        if not kept or kept[0] >= num_full_blocks:
             return False
         start = num_cached_blocks
-        for end in [*kept, num_full_blocks]:
+        for end in [*(i for i in kept if i < num_full_blocks), num_full_blocks]:
             if start < end:
                 mask = block_mask
                 if mask is not None:

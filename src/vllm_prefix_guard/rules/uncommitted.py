@@ -13,19 +13,16 @@ is a wrong answer for every later hit. The rules remove exactly those:
    writes (dispatched steps are never cancelled).
 2. A step whose output never comes back (a later step commits first) wrote
    nothing: its entries go when the later step commits.
-3. A `schedule()` that raised produced no step (vLLM's fault tolerance resumes
-   the engine loop after it): its entries go when the next step begins.
-4. Blocks a KV connector finished loading hold written KV: their entries are
-   made inside `written()` and not recorded.
+3. vLLM's fault tolerance resumes the engine loop after a fault: the entries
+   of a `schedule()` that raised go when the next step begins, and (rule 4)
+   those of the steps in flight when it finishes every request at once, as
+   none of them comes back.
 
 NOTE: Same-step sharing needs no rule: lookups run only in the waiting loop of
 `schedule()`, which is skipped once the running loop preempted a request.
 
 Cost: O(1) per step and per registration; a removal is O(entries removed).
 """
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -70,10 +67,6 @@ class UncommittedPrefixCache:
             int, tuple[SchedulerOutput, StepCacheEntries]
         ] = {}
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self.step_id_to_entries)
-
     def steps_in_flight(self) -> list[tuple[SchedulerOutput, StepCacheEntries]]:
         """The steps dispatched and not committed, oldest first."""
         return list(self.step_id_to_entries.values())
@@ -99,32 +92,22 @@ class UncommittedPrefixCache:
         did not produce (`EngineCore` passes an empty one while it drains)
         commits nothing."""
         step_id = id(scheduler_output)
-        if step_id not in self.step_id_to_entries:
-            return
-        while True:
+        while step_id in self.step_id_to_entries:
             oldest_id = next(iter(self.step_id_to_entries))
             _, entries = self.step_id_to_entries.pop(oldest_id)
-            if oldest_id == step_id:
-                return
-            self._remove_step(entries)
+            if oldest_id != step_id:
+                self._remove_step(entries)
+
+    def drop_steps_in_flight(self) -> None:
+        """Remove the entries of every step in flight, newest first (rule 4)."""
+        while self.step_id_to_entries:
+            self._remove_step(self.step_id_to_entries.popitem()[1][1])
 
     def reset(self) -> None:
         """`reset_prefix_cache` removed every entry: forget the records."""
         self.step_id_to_entries.clear()
-        block_pool = self.kv_cache_manager.block_pool
-        if block_pool.uncommitted_entries is not None:
-            block_pool.uncommitted_entries = {}
-
-    @contextmanager
-    def written(self) -> Iterator[None]:
-        """Record nothing inside: entries made there name KV already written
-        (blocks a KV connector finished loading)."""
-        block_pool = self.kv_cache_manager.block_pool
-        entries, block_pool.uncommitted_entries = block_pool.uncommitted_entries, None
-        try:
-            yield
-        finally:
-            block_pool.uncommitted_entries = entries
+        if self.kv_cache_manager.block_pool.uncommitted_entries is not None:
+            self.kv_cache_manager.block_pool.uncommitted_entries = {}
 
     def rollback_preempted(self, req_id: str, num_written_tokens: int) -> None:
         """Remove the open step's entries of a request preempted inside

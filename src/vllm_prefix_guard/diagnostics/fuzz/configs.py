@@ -158,6 +158,21 @@ CONFIGS: dict[str, FuzzConfig] = {
             traffic=Traffic(arrival_rate=0.6, priority="random", reset_interval=60),
         ),
         FuzzConfig(
+            "fault-async",
+            "priority policy, async, shared-prefix families, n>1, aborts; faults of the "
+            "engine loop as vLLM's fault tolerance handles them (the steps in flight never "
+            "run, every request is finished, the engine serves on)",
+            _spec(num_blocks=40, policy="priority", async_scheduling=True),
+            depth=2,
+            traffic=Traffic(
+                arrival_rate=0.6,
+                priority="phased",
+                abort_prob=0.05,
+                n_prob=0.15,
+                fault_interval=40,
+            ),
+        ),
+        FuzzConfig(
             "victim",
             "targeted: an already-scheduled low-priority request is the priority victim "
             "while followers look up its prefix",

@@ -22,6 +22,7 @@ from vllm_prefix_guard.diagnostics.fuzz.workload import (
     Abort,
     Arrive,
     Event,
+    Fault,
     Reset,
     Runs,
     prompt_length,
@@ -95,6 +96,8 @@ class Traffic:
     # Mean iterations between reset_prefix_cache calls (0: never); share with running=True.
     reset_interval: int = 0
     reset_running_share: float = 0.5
+    # Mean iterations between faults of the engine loop (0: never; workload.Fault).
+    fault_interval: int = 0
     # KV connector: share of family requests whose prefix is remotely available, and
     # share of those whose loads fail.
     external_share: float = 0.0
@@ -187,6 +190,8 @@ def random_traffic(
                         )
         if traffic.reset_interval and rng.random() < 1 / traffic.reset_interval:
             events.append(Reset(step, running=rng.random() < traffic.reset_running_share))
+        if traffic.fault_interval and rng.random() < 1 / traffic.fault_interval:
+            events.append(Fault(step))
     return events
 
 

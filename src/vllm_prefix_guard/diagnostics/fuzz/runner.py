@@ -42,7 +42,14 @@ from vllm_prefix_guard.diagnostics.factory import (
 from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts, IdealPolicy, RollbackAudit
 from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
 from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
+from vllm_prefix_guard.diagnostics.fuzz.workload import (
+    Abort,
+    Arrive,
+    Fault,
+    Reset,
+    Workload,
+    expand,
+)
 from vllm_prefix_guard.diagnostics.shadow_kv import (
     NEVER_WRITTEN,
     OUTPUT_OVER_BAD_KV,
@@ -222,12 +229,17 @@ def run_workload(
         limit = workload.last_step + DRAIN_ITERATIONS
         released = 0
         unfinished = 0
+        arrived: dict[str, Arrive] = {}
         while pending or scheduler.has_requests() or driver.in_flight:
             while pending and pending[0].step <= iteration:
                 event = pending.popleft()
                 if isinstance(event, Arrive):
                     arrival += 1
+                    arrived[event.request_id] = event
                     requests.append(_arrive(driver, event, workload.spec, arrival))
+                elif isinstance(event, Fault):
+                    pending.extendleft(reversed(_retries(scheduler, arrived, iteration)))
+                    driver.fault()
                 elif not _inject(driver, event):
                     resets_refused += 1
             driver.step()
@@ -306,6 +318,16 @@ def _arrive(driver: MeteredDriver, event: Arrive, spec: SchedulerSpec, arrival: 
             connector.async_loads[event.request_id] = event.async_load_steps
     driver.add(request)
     return request
+
+
+def _retries(scheduler: Any, arrived: dict[str, Arrive], iteration: int) -> list[Arrive]:
+    """What clients send again once a fault aborted their requests: each unfinished
+    request, under a new ID, at once (no remote load)."""
+    return [
+        Arrive(iteration, f"{req_id}-retry", event.prompt, event.max_tokens, event.priority)
+        for req_id, event in arrived.items()
+        if req_id in scheduler.requests and not scheduler.requests[req_id].is_finished()
+    ]
 
 
 def _inject(driver: MeteredDriver, event: Abort | Reset) -> bool:

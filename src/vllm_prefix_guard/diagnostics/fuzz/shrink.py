@@ -24,7 +24,15 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Event, Reset, Runs, Workload
+from vllm_prefix_guard.diagnostics.fuzz.workload import (
+    Abort,
+    Arrive,
+    Event,
+    Fault,
+    Reset,
+    Runs,
+    Workload,
+)
 
 T = TypeVar("T")
 Predicate = Callable[[Workload], bool]
@@ -150,7 +158,7 @@ def _units(workload: Workload) -> list[list[Event]]:
     for event in workload.events:
         if isinstance(event, Arrive):
             units.append([event, *aborts.get(event.request_id, [])])
-        elif isinstance(event, Reset):
+        elif isinstance(event, (Reset, Fault)):
             units.append([event])
     return units
 

@@ -71,10 +71,21 @@ class Reset:
     running: bool = True
 
 
-Event = Arrive | Abort | Reset
+@dataclass(frozen=True)
+class Fault:
+    """A fault in the engine loop before iteration ``step``, as vLLM's fault tolerance
+    (``--enable-fault-tolerance``) handles it: the steps in flight never run,
+    ``on_fault`` finishes every request, and the drain feeds the scheduler an empty
+    output; the engine then serves new requests, and clients send the aborted ones again
+    (the runner adds them, under new IDs, in the same iteration)."""
 
-# Arrivals first within a step, so an abort or reset in the same step sees them.
-_ORDER = {Arrive: 0, Abort: 1, Reset: 2}
+    step: int
+
+
+Event = Arrive | Abort | Reset | Fault
+
+# Arrivals first within a step, so an abort, reset or fault in the same step sees them.
+_ORDER = {Arrive: 0, Abort: 1, Reset: 2, Fault: 3}
 
 
 def _spec_overrides(spec: SchedulerSpec) -> dict[str, Any]:
@@ -131,10 +142,11 @@ class Workload:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:
-        kinds: dict[str, type[Arrive] | type[Abort] | type[Reset]] = {
+        kinds: dict[str, type[Arrive] | type[Abort] | type[Reset] | type[Fault]] = {
             "Arrive": Arrive,
             "Abort": Abort,
             "Reset": Reset,
+            "Fault": Fault,
         }
         events: list[Event] = []
         for raw in data["events"]:

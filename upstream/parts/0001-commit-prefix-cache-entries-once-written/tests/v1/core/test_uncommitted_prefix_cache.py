@@ -314,7 +314,22 @@ def test_dropped_step_entries_are_removed():
 
     scheduler.update_from_output(following, model_runner_output(following, requests))
     assert num_hit_tokens(scheduler, a) == 0
-    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 0
+
+
+def test_steps_in_flight_go_when_every_request_is_finished():
+    """Fault tolerance (`--enable-fault-tolerance`): after a fault in the engine
+    loop every request is finished at once and the step in flight never comes
+    back; the first request after recovery must not hit its blocks."""
+    scheduler = create_scheduler(
+        enable_prefix_caching=True, block_size=BLOCK_SIZE, async_scheduling=True
+    )
+    [a] = create_requests(num_requests=1, num_tokens=33)
+    scheduler.add_request(a)
+    assert scheduler.schedule().num_scheduled_tokens == {a.request_id: 33}
+    scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    assert num_hit_tokens(scheduler, a) == 0
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 0
 
 
 def test_same_step_sharing_is_kept():
@@ -333,7 +348,7 @@ def test_same_step_sharing_is_kept():
     }
     # A new request whose prompt extends theirs.
     assert num_hit_tokens(scheduler, requests[0], 512) == 512
-    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 0
 
 
 def test_abort_while_step_in_flight_keeps_its_entries():
@@ -358,7 +373,7 @@ def test_abort_while_step_in_flight_keeps_its_entries():
         scheduler.update_from_output(
             step_output, model_runner_output(step_output, requests)
         )
-    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 0
     assert num_hit_tokens(scheduler, retry) == 48
 
 
@@ -372,15 +387,15 @@ def test_reset_prefix_cache_drops_uncommitted_entries():
     [request] = requests
     scheduler.add_request(request)
     in_flight = scheduler.schedule()
-    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 1
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 1
     assert scheduler.reset_prefix_cache(reset_running_requests=True)
-    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 0
     assert num_hit_tokens(scheduler, request) == 0
 
     resumed = scheduler.schedule()
     scheduler.update_from_output(in_flight, model_runner_output(in_flight, requests))
     scheduler.update_from_output(resumed, model_runner_output(resumed, requests))
-    assert scheduler.uncommitted_prefix_cache.num_steps_in_flight == 0
+    assert len(scheduler.uncommitted_prefix_cache.step_id_to_entries) == 0
     assert num_hit_tokens(scheduler, request) == 48
 
 

@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Write the upstream pull requests, ``upstream/prs/<slug>.patch``, each against vLLM
+0.34.0 on its own.
+
+A pull request is made as a part of the series is (``series.py``): call sites and test
+helpers written for vLLM (``call_sites.py``), methods taken verbatim from the plugin's
+rules (so the plugin and the pull request run one copy), and vLLM-style tests
+(``upstream/prs/<slug>/``, laid out as in vLLM's tree). ``--check`` fails if a
+committed patch is stale (CI).
+
+``--prove`` builds two vLLM trees per pull request, *stock* (its tests and test helpers
+only) and *patched*, and records in ``upstream/prs/results.json``: its tests on each
+(they must fail on stock and pass patched), and the project's fuzzer in stock mode on
+each, every configuration (the patched tree is the vLLM under test, the guard off):
+bad reads, hits, preemptions and KV-event keys wrong. ``report.py`` writes them into
+``upstream/README.md``.
+
+``--tests-both-ways`` (CI) runs only the tests on both trees and fails unless every test
+fails on stock and passes patched.
+
+Usage (the Python of a venv with vLLM 0.34.0; ``DIR`` from scripts/fetch_vllm_tests.py):
+    python upstream/prs.py --vllm-tests DIR [--check | --tests-both-ways | --prove [--seeds N]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import tree  # noqa: E402
+from call_sites import (  # noqa: E402
+    EVICT_PREEMPTED_BLOCKS,
+    KV_EVENTS_PER_HASH,
+    PREFIX_CACHING_TESTS,
+    Edit,
+)
+from series import Methods, apply_part, pristine_files, unified_diff, write_patches  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent / "tests" / "vllm_suite"))
+from hub_cache import write_hub_cache  # noqa: E402
+
+PRS_DIR = HERE / "prs"
+RESULTS = PRS_DIR / "results.json"
+VERSION = "0.34.0"
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"]
+PYTEST += ["-p", "vllm_tests_on_cpu"]
+FUZZ = [sys.executable, "-m", "vllm_prefix_guard.cli", "fuzz", "--modes", "stock"]
+FUZZ += ["--shrink-seconds", "0", "--json"]
+#: What each configuration's stock run reports, as results.json keeps it.
+FIGURES = (
+    "violations",
+    "hit_tokens",
+    "preemptions",
+    "kv_event_keys_missing",
+    "kv_event_keys_extra",
+    "kv_event_counted_keys_missing",
+    "kv_event_counted_keys_extra",
+)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    slug: str
+    subject: str
+    edits: tuple[Edit, ...]
+    generated: tuple[Methods, ...]
+    #: New test files (from ``upstream/prs/<slug>/``).
+    tests: tuple[str, ...]
+    #: What to run, if not the new files: node IDs of tests the edits add.
+    test_ids: tuple[str, ...] = ()
+
+    @property
+    def patch_file(self) -> Path:
+        return PRS_DIR / f"{self.slug}.patch"
+
+    @property
+    def tests_dir(self) -> Path:
+        return PRS_DIR / self.slug
+
+    @property
+    def num_tests(self) -> int:
+        """Its test functions (module-level ``def test_`` of its new files)."""
+        if self.test_ids:
+            return len(self.test_ids)
+        return sum(
+            line.startswith("def test_")
+            for test in self.tests
+            for line in (self.tests_dir / test).read_text().splitlines()
+        )
+
+
+PULL_REQUESTS: tuple[PullRequest, ...] = (
+    PullRequest(
+        "evict-preempted-blocks",
+        "[Core][Bugfix] Evict the blocks a request preempted while being scheduled never computes",
+        EVICT_PREEMPTED_BLOCKS,
+        (),
+        ("tests/v1/core/test_preempted_prefix_cache.py",),
+    ),
+    PullRequest(
+        "kv-events-per-hash",
+        "[Core][KV Events] Emit BlockStored for a hash's first block and BlockRemoved for its last",
+        KV_EVENTS_PER_HASH,
+        (
+            Methods(
+                "block_pool",
+                "BlockPoolAdditions",
+                ("uncached_block_hashes", "first_copy_events"),
+                "BlockPool",
+                "_emit_block_removed_events",
+            ),
+        ),
+        (),
+        (
+            f"{PREFIX_CACHING_TESTS}::test_kv_events_name_a_hash_once_whatever_its_copies",
+            f"{PREFIX_CACHING_TESTS}::test_block_stored_names_only_the_blocks_that_cache_a_hash_first",
+        ),
+    ),
+)
+
+
+def patches(vllm_tests: Path) -> dict[Path, str]:
+    """Each pull request's patch against the installed vLLM's pristine files."""
+    from importlib.metadata import version
+
+    if version("vllm") != VERSION:
+        raise SystemExit(f"the pull requests are made for vLLM {VERSION}")
+    out = {}
+    for pr in PULL_REQUESTS:
+        files = pristine_files(vllm_tests, [pr])  # type: ignore[list-item]
+        after = apply_part(pr, files)  # type: ignore[arg-type]
+        out[pr.patch_file] = (
+            f"Subject: [PATCH] {pr.subject}\n\n"
+            f"Generated by upstream/prs.py; its description: upstream/prs/{pr.slug}.md\n"
+            "---\n" + unified_diff(files, after)
+        )
+    return out
+
+
+def environment(vllm_tree: Path, hf_home: Path) -> dict[str, str]:
+    """Offline, vLLM's Hub configs cached, the tree first on the path, the guard off."""
+    hub = write_hub_cache(hf_home)
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{vllm_tree}{os.pathsep}{HERE}",
+        "VLLM_PREFIX_GUARD": "0",
+        "HF_HOME": str(hf_home),
+        "HF_HUB_CACHE": str(hub),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+def build_trees(pr: PullRequest, vllm_tests: Path, work: Path) -> dict[str, Path]:
+    """``patched``: the pull request applied; ``stock``: the same without its changes
+    to ``vllm/`` (its tests and test helpers stay)."""
+    patched = tree.build(vllm_tests, work / pr.slug / "patched", [pr.patch_file])
+    stock = work / pr.slug / "stock"
+    if stock.exists():
+        shutil.rmtree(stock)
+    shutil.copytree(patched, stock, symlinks=True)
+    installed = tree.installed_vllm().parent
+    for path in tree.patch_stats(pr.patch_file)["files"]:  # type: ignore[attr-defined]
+        if path.startswith("vllm/"):
+            shutil.copy2(installed / path, stock / path)
+    return {"stock": stock, "patched": patched}
+
+
+def run_tests(pr: PullRequest, vllm_tree: Path, env: dict[str, str]) -> dict[str, int]:
+    """The pull request's tests in ``vllm_tree``: how many passed and failed."""
+    done = subprocess.run(
+        [*PYTEST, *(pr.test_ids or pr.tests)],
+        cwd=vllm_tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = done.stdout.splitlines()
+    return {
+        "passed": sum(line.startswith("PASSED ") for line in lines),
+        "failed": sum(line.startswith("FAILED ") for line in lines),
+    }
+
+
+def run_fuzz(env: dict[str, str], seeds: int) -> dict[str, dict[str, int]]:
+    """The fuzzer in stock mode (the vLLM on the path), every configuration."""
+    done = subprocess.run(
+        [*FUZZ, "--seeds", str(seeds)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    configs = json.loads(done.stdout)["configs"]
+    return {
+        config["name"]: {name: config["modes"]["stock"][name] for name in FIGURES}
+        for config in configs
+    }
+
+
+def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str, Any]:
+    """Every pull request's figures (``only``: these; the others' kept from the last
+    results). Stock vLLM is fuzzed once: the stock trees differ in tests alone."""
+    last = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    kept = last.get("pull_requests", {}) if last.get("seeds") == seeds else {}
+    results: dict[str, Any] = {"vllm": VERSION, "seeds": seeds, "pull_requests": {}}
+    stock_fuzz = next((entry["stock"]["fuzz"] for entry in kept.values()), None)
+    for pr in PULL_REQUESTS:
+        if only and pr.slug not in only and pr.slug in kept:
+            results["pull_requests"][pr.slug] = kept[pr.slug]
+            continue
+        trees = build_trees(pr, vllm_tests, work)
+        entry: dict[str, Any] = {
+            "subject": pr.subject,
+            "diffstat": tree.patch_stats(pr.patch_file)["files"],
+        }
+        for name, vllm_tree in trees.items():
+            env = environment(vllm_tree, work / "hf")
+            tests = run_tests(pr, vllm_tree, env)
+            if name == "patched" or stock_fuzz is None:
+                fuzz = run_fuzz(env, seeds)
+                stock_fuzz = stock_fuzz or (fuzz if name == "stock" else None)
+            entry[name] = {"tests": tests, "fuzz": fuzz if name == "patched" else stock_fuzz}
+            print(f"{pr.slug} {name}: tests {tests}", flush=True)
+        results["pull_requests"][pr.slug] = entry
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-tests", type=Path, required=True, help="fetch_vllm_tests DEST")
+    parser.add_argument("--check", action="store_true", help="fail if a patch is stale")
+    parser.add_argument("--prove", action="store_true", help="write upstream/prs/results.json")
+    parser.add_argument(
+        "--tests-both-ways", action="store_true", help="each test fails on stock, passes patched"
+    )
+    parser.add_argument("--work", type=Path, default=Path(".nox/upstream/prs"))
+    parser.add_argument("--seeds", type=int, default=3, help="fuzz seeds per configuration")
+    parser.add_argument("--only", action="append", default=[], help="prove this one (slug)")
+    args = parser.parse_args(argv)
+    args.work = args.work.resolve()  # the runs' working directories are the trees
+    if args.tests_both_ways:
+        failed = []
+        for pr in PULL_REQUESTS:
+            for name, vllm_tree in build_trees(pr, args.vllm_tests, args.work).items():
+                counts = run_tests(pr, vllm_tree, environment(vllm_tree, args.work / "hf"))
+                print(f"{pr.slug} {name}: {counts}")
+                if counts["failed" if name == "stock" else "passed"] != pr.num_tests:
+                    failed.append(f"{pr.slug} {name}")
+        print("FAILED: " + ", ".join(failed) if failed else "ok")
+        return 1 if failed else 0
+    if args.prove:
+        results = prove(args.vllm_tests, args.work, args.seeds, args.only)
+        RESULTS.write_text(json.dumps(results, indent=1))
+        print(f"wrote {RESULTS.relative_to(HERE.parent)}")
+        return 0
+    return write_patches(patches(args.vllm_tests), args.check, "upstream/prs.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
