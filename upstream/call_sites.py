@@ -361,21 +361,68 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
 #: Part 3, KV events that stay true with several blocks per hash: ``BlockStored`` only
 #: when no other block caches the hash yet, ``BlockRemoved`` only when no block caches
 #: it any more, on every path that adds or removes one.
-KV_EVENTS: tuple[Edit, ...] = (
-    # first_copy_events copies a BlockStored with msgspec.structs.replace.
-    Edit(
-        BLOCK_POOL,
-        """from typing import Any
+#: Part 3's edits that the KV-events pull request makes too (the same text in vLLM
+#: 0.33 and 0.34).
+# first_copy_events copies a BlockStored with msgspec.structs.replace.
+_MSGSPEC_IMPORT = Edit(
+    BLOCK_POOL,
+    """from typing import Any
 
 from vllm.distributed.kv_events import (
 """,
-        """from typing import Any
+    """from typing import Any
 
 import msgspec
 
 from vllm.distributed.kv_events import (
 """,
-    ),
+)
+_FIRST_COPY_EVENT = Edit(
+    BLOCK_POOL,
+    """            self.kv_event_queue.append(
+                self._build_block_stored_event(
+                    request,
+                    block_hashes=new_hashes,
+                    parent_block_hash=parent_block_hash,
+                    start_token_idx=start_token_idx,
+                    end_token_idx=end_token_idx,
+                    block_size=block_size,
+                    kv_cache_group_id=kv_cache_group_id,
+                    extra_keys_list=extra_keys_list,
+                    lookahead_token_ids=lookahead_token_ids,
+                )
+            )
+""",
+    """            stored = self._build_block_stored_event(
+                request,
+                block_hashes=new_hashes,
+                parent_block_hash=parent_block_hash,
+                start_token_idx=start_token_idx,
+                end_token_idx=end_token_idx,
+                block_size=block_size,
+                kv_cache_group_id=kv_cache_group_id,
+                extra_keys_list=extra_keys_list,
+                lookahead_token_ids=lookahead_token_ids,
+            )
+            self.kv_event_queue.extend(self.first_copy_events(stored, copies))
+""",
+)
+_LAST_COPY_REMOVED = Edit(
+    BLOCK_POOL,
+    """        if not self.enable_kv_cache_events:
+            return
+        for block_hash in block_hashes:
+            self.kv_event_queue.append(
+                BlockRemoved(""",
+    """        if not self.enable_kv_cache_events:
+            return
+        for block_hash in self.uncached_block_hashes(block_hashes):
+            self.kv_event_queue.append(
+                BlockRemoved(""",
+)
+
+KV_EVENTS: tuple[Edit, ...] = (
+    _MSGSPEC_IMPORT,
     Edit(
         BLOCK_POOL,
         """        new_hashes: list[ExternalBlockHash] | None = (
@@ -419,36 +466,7 @@ from vllm.distributed.kv_events import (
             )
 """,
     ),
-    Edit(
-        BLOCK_POOL,
-        """            self.kv_event_queue.append(
-                self._build_block_stored_event(
-                    request,
-                    block_hashes=new_hashes,
-                    parent_block_hash=parent_block_hash,
-                    start_token_idx=start_token_idx,
-                    end_token_idx=end_token_idx,
-                    block_size=block_size,
-                    kv_cache_group_id=kv_cache_group_id,
-                    extra_keys_list=extra_keys_list,
-                    lookahead_token_ids=lookahead_token_ids,
-                )
-            )
-""",
-        """            stored = self._build_block_stored_event(
-                request,
-                block_hashes=new_hashes,
-                parent_block_hash=parent_block_hash,
-                start_token_idx=start_token_idx,
-                end_token_idx=end_token_idx,
-                block_size=block_size,
-                kv_cache_group_id=kv_cache_group_id,
-                extra_keys_list=extra_keys_list,
-                lookahead_token_ids=lookahead_token_ids,
-            )
-            self.kv_event_queue.extend(self.first_copy_events(stored, copies))
-""",
-    ),
+    _FIRST_COPY_EVENT,
     Edit(
         BLOCK_POOL,
         """            removed_hashes = self._remove_cached_block_hashes(block)
@@ -477,19 +495,7 @@ from vllm.distributed.kv_events import (
         if self.enable_kv_cache_events and not already_cached and first_copy:
 """,
     ),
-    Edit(
-        BLOCK_POOL,
-        """        if not self.enable_kv_cache_events:
-            return
-        for block_hash in block_hashes:
-            self.kv_event_queue.append(
-                BlockRemoved(""",
-        """        if not self.enable_kv_cache_events:
-            return
-        for block_hash in self.uncached_block_hashes(block_hashes):
-            self.kv_event_queue.append(
-                BlockRemoved(""",
-    ),
+    _LAST_COPY_REMOVED,
 )
 
 
@@ -646,7 +652,7 @@ PREFIX_CACHING_TESTS = "tests/v1/core/test_prefix_caching.py"
 #: KV events per hash, not per block: ``BlockStored`` when the first block caches a hash,
 #: ``BlockRemoved`` when the last one loses it (the pool's methods come from the rules).
 KV_EVENTS_PER_HASH: tuple[Edit, ...] = (
-    KV_EVENTS[0],
+    _MSGSPEC_IMPORT,
     Edit(
         BLOCK_POOL,
         """        new_hashes: list[ExternalBlockHash] | None = (
@@ -686,7 +692,7 @@ KV_EVENTS_PER_HASH: tuple[Edit, ...] = (
             )
 """,
     ),
-    KV_EVENTS[3],
+    _FIRST_COPY_EVENT,
     Edit(
         BLOCK_POOL,
         """        self._insert_block_hash(
@@ -709,7 +715,7 @@ KV_EVENTS_PER_HASH: tuple[Edit, ...] = (
         if self.enable_kv_cache_events and not already_cached and first_copy:
 """,
     ),
-    KV_EVENTS[5],
+    _LAST_COPY_REMOVED,
     Edit(
         PREFIX_CACHING_TESTS,
         """    # Evicting one group's last hashed block lowers the estimate to that group's.

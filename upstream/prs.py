@@ -46,9 +46,6 @@ from call_sites import (  # noqa: E402
 )
 from series import Methods, apply_part, pristine_files, unified_diff, write_patches  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent / "tests" / "vllm_suite"))
-from hub_cache import write_hub_cache  # noqa: E402
-
 PRS_DIR = HERE / "prs"
 RESULTS = PRS_DIR / "results.json"
 VERSION = "0.34.0"
@@ -148,19 +145,14 @@ def patches(vllm_tests: Path) -> dict[Path, str]:
 
 
 def environment(vllm_tree: Path, hf_home: Path) -> dict[str, str]:
-    """Offline, vLLM's Hub configs cached, the tree first on the path, the guard off."""
-    hub = write_hub_cache(hf_home)
-    return {
-        **os.environ,
-        "PYTHONPATH": f"{vllm_tree}{os.pathsep}{HERE}",
-        "VLLM_PREFIX_GUARD": "0",
-        "HF_HOME": str(hf_home),
-        "HF_HUB_CACHE": str(hub),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "PYTHONHASHSEED": "0",
-    }
+    """``check.py``'s environment of a run on ``vllm_tree`` (offline, vLLM's Hub configs
+    cached, the tree first on the path, the guard off), with this directory on the path
+    too, for the ``vllm_tests_on_cpu`` plugin."""
+    from check import Env
+
+    env = Env(hf_home)(vllm_tree)
+    env["PYTHONPATH"] += os.pathsep + str(HERE)
+    return env
 
 
 def build_trees(pr: PullRequest, vllm_tests: Path, work: Path) -> dict[str, Path]:
@@ -210,9 +202,10 @@ def run_fuzz(env: dict[str, str], seeds: int) -> dict[str, dict[str, int]]:
 
 
 def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str, Any]:
-    """Every pull request's figures (``only``: these; the others' kept from the last
-    results). Stock vLLM is fuzzed once: the stock trees differ in tests alone."""
-    last = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    """Every pull request's figures (``only``: these, the others' and stock's fuzz kept
+    from the last results). Stock vLLM is fuzzed once: the stock trees differ in tests
+    alone."""
+    last = json.loads(RESULTS.read_text()) if only and RESULTS.exists() else {}
     kept = last.get("pull_requests", {}) if last.get("seeds") == seeds else {}
     results: dict[str, Any] = {"vllm": VERSION, "seeds": seeds, "pull_requests": {}}
     stock_fuzz = next((entry["stock"]["fuzz"] for entry in kept.values()), None)
@@ -228,10 +221,11 @@ def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str
         for name, vllm_tree in trees.items():
             env = environment(vllm_tree, work / "hf")
             tests = run_tests(pr, vllm_tree, env)
-            if name == "patched" or stock_fuzz is None:
+            if name == "stock":
+                stock_fuzz = fuzz = stock_fuzz or run_fuzz(env, seeds)
+            else:
                 fuzz = run_fuzz(env, seeds)
-                stock_fuzz = stock_fuzz or (fuzz if name == "stock" else None)
-            entry[name] = {"tests": tests, "fuzz": fuzz if name == "patched" else stock_fuzz}
+            entry[name] = {"tests": tests, "fuzz": fuzz}
             print(f"{pr.slug} {name}: tests {tests}", flush=True)
         results["pull_requests"][pr.slug] = entry
     return results
