@@ -600,34 +600,35 @@ KV_CACHE_MANAGER = "vllm/v1/core/kv_cache_manager.py"
 #: blocks cached for that step's tokens are evicted before ``_preempt_request`` frees
 #: them. Without the commit fence's record, the blocks say which they are: a cached
 #: block's hash covers ``block_hash_num_tokens`` tokens.
-EVICT_PREEMPTED_BLOCKS: tuple[Edit, ...] = (
-    Edit(
-        KV_CACHE_MANAGER,
-        """        self.block_pool.evict_blocks(block_ids)
+#: ``KVCacheManager.evict_blocks_past``: the blocks say which tokens their hash covers.
+_EVICT_BLOCKS_PAST = Edit(
+    KV_CACHE_MANAGER,
+    """        self.block_pool.evict_blocks(block_ids)
 
 """,
-        """        self.block_pool.evict_blocks(block_ids)
+    """        self.block_pool.evict_blocks(block_ids)
 
-    def evict_blocks_past_computed(self, request: Request) -> None:
+    def evict_blocks_past(self, request: Request, num_tokens: int) -> None:
         \"\"\"Evict from the prefix cache the blocks of `request` cached for
-        tokens past its computed ones, before a preemption frees them.
+        tokens past its first `num_tokens`, which it will not compute.
 
         `allocate_slots` caches the blocks a step is about to compute, so that
-        requests in the same batch can share them. A request preempted in the
-        `schedule()` that scheduled it never computes them.
+        requests in the same batch can share them: the step must run.
         \"\"\"
-        num_computed_tokens = request.num_computed_tokens
         self.evict_blocks(
             {
                 block.block_id
                 for blocks in self.coordinator.get_blocks(request.request_id)
                 for block in blocks
-                if (block.block_hash_num_tokens or 0) > num_computed_tokens
+                if (block.block_hash_num_tokens or 0) > num_tokens
             }
         )
 
 """,
-    ),
+)
+
+EVICT_PREEMPTED_BLOCKS: tuple[Edit, ...] = (
+    _EVICT_BLOCKS_PAST,
     Edit(
         SCHEDULER,
         """                        if preempted_req in scheduled_running_reqs:
@@ -639,8 +640,8 @@ EVICT_PREEMPTED_BLOCKS: tuple[Edit, ...] = (
                             scheduled_running_reqs.remove(preempted_req)
                             # allocate_slots cached the blocks this step was to
                             # compute for it; it will not run them.
-                            self.kv_cache_manager.evict_blocks_past_computed(
-                                preempted_req
+                            self.kv_cache_manager.evict_blocks_past(
+                                preempted_req, preempted_req.num_computed_tokens
                             )
 """,
     ),
@@ -778,5 +779,244 @@ def test_block_stored_names_only_the_blocks_that_cache_a_hash_first():
     assert stored.parent_block_hash == prompt_stored.block_hashes[-1]
     assert list(stored.token_ids) == tail
 ''',
+    ),
+)
+
+INVALID_BLOCKS_TESTS = "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py"
+
+#: Failed KV loads, inside vLLM's invalid-block handling: under either policy the invalid
+#: blocks and those after them leave the prefix cache (those of a loader that finished
+#: while its step ran, too); every holder recomputes from its first invalid block and
+#: drops its output in flight; the first caches the blocks again.
+INVALID_BLOCKS_EVICTED: tuple[Edit, ...] = (
+    Edit(
+        KV_CACHE_MANAGER,
+        """        self.block_pool.evict_blocks(block_ids)
+
+""",
+        """        self.block_pool.evict_blocks(block_ids)
+
+    def recache_blocks_from(self, request_id: str, block_index: int) -> None:
+        \"\"\"Let a request cache its blocks from `block_index` on again once it
+        recomputes them, after their entries were evicted. One KV cache group
+        only: block indices differ between groups.
+        \"\"\"
+        (manager,) = self.coordinator.single_type_managers
+        num_cached_blocks = manager.num_cached_block.get(request_id)
+        if num_cached_blocks is not None and num_cached_blocks > block_index:
+            manager.num_cached_block[request_id] = block_index
+
+""",
+    ),
+    Edit(
+        SCHEDULER,
+        """        # Every GPU write enqueued by this and earlier steps has completed, so it is
+        # safe to return deferred-free blocks to the pool.
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            self.processed_step_seq += 1
+            self._drain_deferred_frees()
+            self._drain_deferred_loads()
+""",
+        """        # Every GPU write enqueued by this and earlier steps has completed, so it is
+        # safe to return deferred-free blocks to the pool (below, once the invalid
+        # blocks among them are evicted).
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            self.processed_step_seq += 1
+""",
+    ),
+    Edit(
+        SCHEDULER,
+        """                    num_scheduled_tokens,
+                )
+            )
+        # NOTE(woosuk): As len(num_scheduled_tokens) can be up to 1K or more,
+""",
+        """                    num_scheduled_tokens,
+                )
+            )
+        if self.defer_block_free:
+            self._drain_deferred_frees()
+            self._drain_deferred_loads()
+        # NOTE(woosuk): As len(num_scheduled_tokens) can be up to 1K or more,
+""",
+    ),
+    Edit(
+        SCHEDULER,
+        """        affected_req_ids: set[str] = set()
+        total_affected_tokens = 0
+        blocks_to_evict: set[int] = set()
+        # If a block is invalid and shared by multiple requests in the batch,
+        # these requests must be rescheduled, but only the first will recompute
+        # it. This set tracks blocks already marked for recomputation.
+        marked_invalid_block_ids: set[int] = set()
+        for request in requests:
+            is_affected = False
+            marked_invalid_block = False
+            req_id = request.request_id
+""",
+        """        affected_req_ids: set[str] = set()
+        total_affected_tokens = 0
+        blocks_to_evict: set[int] = set()
+        # If a block is invalid and shared by multiple requests in the batch,
+        # each recomputes it: one may run before another rewrites it (chunked
+        # prefill, preemption). One caches it again: these are its blocks.
+        recached_block_ids: set[int] = set()
+        for request in requests:
+            req_id = request.request_id
+""",
+    ),
+    Edit(
+        SCHEDULER,
+        """                if block_id not in invalid_block_ids:
+                    continue
+
+                is_affected = True
+
+                if block_id in marked_invalid_block_ids:
+                    # This invalid block is shared with a previous request
+                    # and was already marked for recomputation.
+                    # This means this request can still consider this block
+                    # as computed when rescheduled.
+                    # Currently this only applies to sync loading; Async
+                    # loading does not yet support block sharing
+                    continue
+
+                marked_invalid_block_ids.add(block_id)
+
+                if marked_invalid_block:
+                    # This request has already marked an invalid block for
+                    # recomputation and updated its num_computed_tokens.
+                    continue
+
+                marked_invalid_block = True
+                # Truncate the computed tokens at the first failed block
+                request.num_computed_tokens = idx * self.block_size
+                num_affected_tokens = (
+                    req_num_computed_tokens - request.num_computed_tokens
+                )
+                total_affected_tokens += num_affected_tokens
+
+                # collect invalid block and all downstream dependent blocks
+                if evict_blocks:
+                    blocks_to_evict.update(req_block_ids[idx:])
+
+            if is_affected:
+                if not marked_invalid_block:
+                    # All invalid blocks of this request are shared with
+                    # previous requests and will be recomputed by them.
+                    # Revert to considering only cached tokens as computed.
+                    # Currently this only applies to sync loading; Async
+                    # loading does not yet support block sharing
+                    total_affected_tokens += (
+                        request.num_computed_tokens - req_num_computed_tokens
+                    )
+                    request.num_computed_tokens = req_num_computed_tokens
+
+                affected_req_ids.add(request.request_id)
+""",
+        """                if block_id not in invalid_block_ids:
+                    continue
+
+                # Truncate the computed tokens at the first failed block
+                request.num_computed_tokens = idx * self.block_size
+                num_affected_tokens = (
+                    req_num_computed_tokens - request.num_computed_tokens
+                )
+                total_affected_tokens += num_affected_tokens
+                affected_req_ids.add(req_id)
+
+                if evict_blocks:
+                    # collect invalid block and all downstream dependent blocks
+                    downstream_block_ids = req_block_ids[idx:]
+                    blocks_to_evict.update(downstream_block_ids)
+                    if recached_block_ids.isdisjoint(downstream_block_ids):
+                        recached_block_ids.update(downstream_block_ids)
+                        self.kv_cache_manager.recache_blocks_from(req_id, idx)
+                    # Its steps in flight (async scheduling) computed over
+                    # the failed block: drop their output.
+                    request.spec_token_ids = []
+                    request.drop_stale_output = True
+                    request.num_stale_output_tokens = request.num_in_flight_tokens
+                    request.num_output_placeholders = 0
+                break
+""",
+    ),
+    Edit(
+        SCHEDULER,
+        """        total_failed_requests += len(sync_failed_req_ids)
+        total_failed_tokens += num_failed_tokens
+
+        if not total_failed_requests:
+            return set()
+
+        # evict invalid blocks and downstream dependent blocks from cache
+        # only when not using recompute policy (where blocks will be recomputed
+        # and reused by other requests sharing them)
+        if sync_blocks_to_evict and not self.recompute_kv_load_failures:
+            self.kv_cache_manager.evict_blocks(sync_blocks_to_evict)
+""",
+        """        total_failed_requests += len(sync_failed_req_ids)
+        total_failed_tokens += num_failed_tokens
+
+        # A loader that finished while its step ran (async scheduling) left
+        # its blocks to deferred_frees, in allocation order.
+        for _, blocks in self.deferred_frees:
+            for idx, block in enumerate(blocks):
+                if block.block_id in invalid_block_ids:
+                    sync_blocks_to_evict.update(b.block_id for b in blocks[idx:])
+                    break
+
+        # evict invalid blocks and downstream dependent blocks from cache
+        # under either policy: recomputing them takes steps, in which other
+        # requests would hit them.
+        if sync_blocks_to_evict:
+            self.kv_cache_manager.evict_blocks(sync_blocks_to_evict)
+
+        if not total_failed_requests:
+            return set()
+""",
+    ),
+    Edit(
+        KV_LOAD_TESTS,
+        """    # req_id -> num_computed_tokens
+    # all the common prefix blocks will be computed by request1
+    expected_computed_tokens = {
+        request1.request_id: min(invalid_block_idxs) * scheduler.block_size,
+        request2.request_id: common_prefix_len,
+    }
+""",
+        """    # req_id -> num_computed_tokens
+    # both recompute from the first invalid block
+    expected_computed_tokens = {
+        request1.request_id: min(invalid_block_idxs) * scheduler.block_size,
+        request2.request_id: min(invalid_block_idxs) * scheduler.block_size,
+    }
+""",
+    ),
+)
+
+#: A fault in the engine loop (fault tolerance): ``on_fault`` finishes every request at
+#: once, and the steps in flight never come back; each request's blocks cached past the
+#: tokens of its steps that came back are evicted first.
+EVICT_FAULTED_STEPS: tuple[Edit, ...] = (
+    _EVICT_BLOCKS_PAST,
+    Edit(
+        SCHEDULER,
+        """        else:
+            request_ids = self.requests.keys()
+
+        running_requests_to_remove = set()
+""",
+        """        else:
+            # Every request at once (fault tolerance's on_fault): the steps in
+            # flight never come back, so the blocks cached for them stay unwritten.
+            for request in self.requests.values():
+                self.kv_cache_manager.evict_blocks_past(
+                    request, request.num_computed_tokens - request.num_in_flight_tokens
+                )
+            request_ids = self.requests.keys()
+
+        running_requests_to_remove = set()
+""",
     ),
 )

@@ -12,14 +12,16 @@ committed patch is stale (CI).
 only) and *patched*, and records in ``upstream/prs/results.json``: its tests on each
 (they must fail on stock and pass patched), and the project's fuzzer in stock mode on
 each, every configuration (the patched tree is the vLLM under test, the guard off):
-bad reads, hits, preemptions and KV-event keys wrong. ``report.py`` writes them into
-``upstream/README.md``.
+bad reads, hits, preemptions and KV-event keys wrong; and the fuzzer on one tree with every
+pull request applied (an edit two share, once: ``combined``). ``report.py`` writes them
+into ``upstream/README.md``.
 
 ``--tests-both-ways`` (CI) runs only the tests on both trees and fails unless every test
 fails on stock and passes patched.
 
 Usage (the Python of a venv with vLLM 0.34.0; ``DIR`` from scripts/fetch_vllm_tests.py):
-    python upstream/prs.py --vllm-tests DIR [--check | --tests-both-ways | --prove [--seeds N]]
+    python upstream/prs.py --vllm-tests DIR [--check | --tests-both-ways | --prove [--seeds N]
+        [--only SLUG|combined]]
 """
 
 from __future__ import annotations
@@ -39,14 +41,21 @@ sys.path.insert(0, str(HERE))
 
 import tree  # noqa: E402
 from call_sites import (  # noqa: E402
+    EVICT_FAULTED_STEPS,
     EVICT_PREEMPTED_BLOCKS,
+    INVALID_BLOCKS_EVICTED,
     KV_EVENTS_PER_HASH,
+    KV_LOAD_TESTS,
     PREFIX_CACHING_TESTS,
     Edit,
 )
 from series import Methods, apply_part, pristine_files, unified_diff, write_patches  # noqa: E402
 
 PRS_DIR = HERE / "prs"
+INVALID_BLOCKS_REUSE_TESTS = "tests/v1/kv_connector/unit/test_invalid_blocks_reuse.py"
+FAULT_TESTS = "tests/v1/core/test_fault_prefix_cache.py"
+#: results.json's key for every pull request applied at once (``--only combined``).
+COMBINED = "combined"
 RESULTS = PRS_DIR / "results.json"
 VERSION = "0.34.0"
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"]
@@ -121,6 +130,34 @@ PULL_REQUESTS: tuple[PullRequest, ...] = (
         (
             f"{PREFIX_CACHING_TESTS}::test_kv_events_name_a_hash_once_whatever_its_copies",
             f"{PREFIX_CACHING_TESTS}::test_block_stored_names_only_the_blocks_that_cache_a_hash_first",
+        ),
+    ),
+    PullRequest(
+        "evict-invalid-blocks",
+        "[Core][KV Connector][Bugfix] Keep KV a load failed, and KV computed over it, "
+        "out of the prefix cache",
+        INVALID_BLOCKS_EVICTED,
+        (),
+        (INVALID_BLOCKS_REUSE_TESTS,),
+        (
+            f"{INVALID_BLOCKS_REUSE_TESTS}::test_invalid_blocks_not_hit_until_recomputed",
+            f"{INVALID_BLOCKS_REUSE_TESTS}::test_blocks_of_loader_finished_in_flight_evicted",
+            f"{INVALID_BLOCKS_REUSE_TESTS}::test_output_in_flight_over_invalid_block_dropped",
+            *(
+                f"{KV_LOAD_TESTS}::test_sync_load_failure_with_shared_blocks[100-99-50-{p}]"
+                for p in ("invalid_block_idxs0", "invalid_block_idxs1", "invalid_block_idxs2")
+            ),
+        ),
+    ),
+    PullRequest(
+        "evict-faulted-steps",
+        "[Core][Fault Tolerance][Bugfix] Evict the blocks of the steps a fault discards",
+        EVICT_FAULTED_STEPS,
+        (),
+        (FAULT_TESTS,),
+        tuple(
+            f"{FAULT_TESTS}::test_blocks_of_steps_in_flight_evicted_when_every_request_finishes[{n}]"
+            for n in (0, 1)
         ),
     ),
 )
@@ -201,10 +238,23 @@ def run_fuzz(env: dict[str, str], seeds: int) -> dict[str, dict[str, int]]:
     }
 
 
+def combined_patch(vllm_tests: Path, work: Path) -> Path:
+    """Every pull request's changes to ``vllm/`` at once (an edit two of them share,
+    once), as one patch: the tree on which the oracle judges them together."""
+    edits = [edit for pr in PULL_REQUESTS for edit in pr.edits if edit.path.startswith("vllm/")]
+    generated = tuple(item for pr in PULL_REQUESTS for item in pr.generated)
+    combined = PullRequest(COMBINED, "", tuple(dict.fromkeys(edits)), generated, ())
+    files = pristine_files(vllm_tests, [combined])  # type: ignore[list-item]
+    patch = work / f"{COMBINED}.patch"
+    patch.parent.mkdir(parents=True, exist_ok=True)
+    patch.write_text(unified_diff(files, apply_part(combined, files)))  # type: ignore[arg-type]
+    return patch
+
+
 def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str, Any]:
-    """Every pull request's figures (``only``: these, the others' and stock's fuzz kept
-    from the last results). Stock vLLM is fuzzed once: the stock trees differ in tests
-    alone."""
+    """Every pull request's figures, and the fuzz of all of them applied at once
+    (``only``: these, the others' and stock's fuzz kept from the last results). Stock
+    vLLM is fuzzed once: the stock trees differ in tests alone."""
     last = json.loads(RESULTS.read_text()) if only and RESULTS.exists() else {}
     kept = last.get("pull_requests", {}) if last.get("seeds") == seeds else {}
     results: dict[str, Any] = {"vllm": VERSION, "seeds": seeds, "pull_requests": {}}
@@ -228,6 +278,12 @@ def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str
             entry[name] = {"tests": tests, "fuzz": fuzz}
             print(f"{pr.slug} {name}: tests {tests}", flush=True)
         results["pull_requests"][pr.slug] = entry
+    if only and COMBINED not in only and COMBINED in last and last.get("seeds") == seeds:
+        results[COMBINED] = last[COMBINED]
+    else:
+        combined = tree.build(vllm_tests, work / COMBINED, [combined_patch(vllm_tests, work)])
+        results[COMBINED] = {"fuzz": run_fuzz(environment(combined, work / "hf"), seeds)}
+        print(f"{COMBINED}: fuzzed", flush=True)
     return results
 
 

@@ -333,12 +333,13 @@ PR_43569_ROW = (
 )
 
 
-def pr_added(entry: dict[str, Any]) -> tuple[int, int, int]:
-    """(files, lines added, of them in ``vllm/``)."""
+def pr_size(entry: dict[str, Any]) -> str:
+    """Files, lines added and removed, and of them in ``vllm/``."""
     files = entry["diffstat"]
-    added = sum(f["added"] for f in files.values())
-    code = sum(f["added"] for path, f in files.items() if path.startswith("vllm/"))
-    return len(files), added, code
+    code = {path: f for path, f in files.items() if path.startswith("vllm/")}
+    added, removed = (sum(f[key] for f in files.values()) for key in ("added", "removed"))
+    code_added, code_removed = (sum(f[key] for f in code.values()) for key in ("added", "removed"))
+    return f"{len(files)} files, +{added} -{removed} (`vllm/`: +{code_added} -{code_removed})"
 
 
 def pr_tests(entry: dict[str, Any]) -> str:
@@ -403,32 +404,48 @@ def pr_oracle(entry: dict[str, Any]) -> tuple[str, list[str]]:
 def prs_texts(prs: dict[str, Any]) -> tuple[str, dict[Path, str]]:
     """The README's table of pull requests, and each one's text."""
     rows = [
-        "| pull request | patch | lines added (in `vllm/`) | its tests | the oracle |",
+        "| pull request | patch | size | its tests | the oracle |",
         "|---|---|---|---|---|",
     ]
     texts = {}
     for slug, entry in prs["pull_requests"].items():
-        files, added, code = pr_added(entry)
+        size = pr_size(entry)
         oracle, left = pr_oracle(entry)
         rows.append(
             f"| [{entry['subject']}](prs/{slug}.md) | [`{slug}.patch`](prs/{slug}.patch) "
-            f"| {files} files, +{added} ({code}) | {pr_tests(entry)} | {oracle} |"
+            f"| {size} | {pr_tests(entry)} | {oracle} |"
         )
         header = (
-            f"{GENERATED}\n\n[`{slug}.patch`]({slug}.patch) against vLLM {prs['vllm']} "
-            f"({files} files, +{added}, {code} of them in `vllm/`)."
+            f"{GENERATED}\n\n[`{slug}.patch`]({slug}.patch) against vLLM {prs['vllm']} ({size})."
         )
         evidence = (
             f"Its tests: {pr_tests(entry)}. The project's fuzzer (seeds 0-{prs['seeds'] - 1}, "
             "every configuration, the guard off, KV events replayed into a set and a "
             f"counting consumer after every step) with this vLLM as stock: {oracle}"
-            f"{' (' + ', '.join(left) + ')' if left else ''}.\n\n" + pr_fuzz_table(entry)
+            f"{'; bad reads left in ' + ', '.join(left) if left else ''}.\n\n"
+            + pr_fuzz_table(entry)
         )
         template = (HERE / "prs" / slug / "PR.template.md").read_text()
         texts[HERE / "prs" / f"{slug}.md"] = fill(
             template, {"header": header, "evidence": evidence}
         )
     return "\n".join([*rows, PR_43569_ROW]), texts
+
+
+def combined_section(prs: dict[str, Any]) -> str:
+    """The oracle on every pull request applied at once, against stock."""
+    combined = prs.get("combined")
+    if combined is None:
+        return "(not run yet: `python upstream/prs.py --vllm-tests DIR --prove --only combined`)"
+    stock = next(iter(prs["pull_requests"].values()))["stock"]
+    entry = {"stock": stock, "patched": combined}
+    oracle, left = pr_oracle(entry)
+    still = f"; bad reads left in {', '.join(left)}" if left else ""
+    return (
+        f"All {len(prs['pull_requests'])} applied at once (`upstream/prs.py --prove`; an edit two "
+        f"share applied once), the fuzzer as above: {oracle}{still}.\n\n"
+        + pr_fuzz_table(entry).replace("stock / patched", "stock / all applied")
+    )
 
 
 def timing(results: dict[str, Any]) -> str:
@@ -451,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
     sections = overview(results)
-    sections["prs"], texts = prs_texts(json.loads((HERE / "prs" / "results.json").read_text()))
+    prs = json.loads((HERE / "prs" / "results.json").read_text())
+    sections["prs"], texts = prs_texts(prs)
+    sections["combined"] = combined_section(prs)
     texts[HERE / "README.md"] = fill((HERE / "README.template.md").read_text(), sections)
     for number, part in enumerate(results["series"], start=1):
         stem = part["file"].rsplit("/", 1)[1].removesuffix(".patch")
