@@ -13,6 +13,9 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import linecache
+import re
+import textwrap
 import types
 from typing import Any
 
@@ -29,17 +32,16 @@ STOCK_SCHEDULER = dict(vars(Scheduler))
 
 
 def _rename_stores(function: Any, name: str, renamed: str) -> Any:
-    """A copy of ``function`` whose code stores ``renamed`` wherever it stored ``name``."""
-    code = function.__code__
-    names = tuple(renamed if n == name else n for n in code.co_names)
-    copy = types.FunctionType(
-        code.replace(co_names=names),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    copy.__kwdefaults__ = function.__kwdefaults__
+    """A copy of ``function`` whose source stores ``renamed`` wherever it stored ``name``
+    on its first parameter (the guard reads constructors from their source)."""
+    source = textwrap.dedent(inspect.getsource(function))
+    this = next(iter(inspect.signature(function).parameters))
+    source = re.sub(rf"\b{this}\.{name}\b", f"{this}.{renamed}", source)
+    filename = f"/renamed/{function.__module__}/{function.__qualname__}.py"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = dict(function.__globals__)
+    exec(compile(source, filename, "exec"), namespace)
+    copy = namespace[function.__name__]
     copy.__qualname__ = function.__qualname__
     return copy
 
@@ -69,7 +71,7 @@ def remove_from_vllm(monkeypatch: pytest.MonkeyPatch, internal: Internal) -> Non
             renamed_annotations = {(renamed if k == name else k): v for k, v in annotations.items()}
             monkeypatch.setattr(klass, "__annotations__", renamed_annotations)
         init = vars(klass).get("__init__")
-        if inspect.isfunction(init) and name in init.__code__.co_names:
+        if inspect.isfunction(init) and name in targets.constructor_stores(klass):
             monkeypatch.setattr(klass, "__init__", _rename_stores(init, name, renamed))
 
 
@@ -103,6 +105,56 @@ def test_state_group_pool_calls_are_all_reviewed() -> None:
     assert {"cache_partial_block", "move_block_hashes", "_maybe_evict_cached_block"} <= set(calls)
     [state] = [c for c in run_checks(self_test=False) if "MambaManager" in c.name]
     assert state.status == "ok" and "cache_partial_block" in state.detail
+
+
+_STATE_GROUP_POOL_CALLS_0_30 = frozenset(
+    {
+        "_maybe_evict_cached_block",
+        "cache_partial_block",
+        "free_blocks",
+        "get_cached_block",
+        "get_new_blocks",
+        "hash_block_size",
+        "is_block_writable",
+        "move_block_hashes",
+        "null_block",
+        "num_gpu_blocks",
+    }
+)
+#: What vLLM's MambaManager does to the pool on each tested release (read from its source
+#: by ``targets.pool_calls``). A release that changes it changes this table, reviewed
+#: against ``targets.STATE_GROUP_POOL_CALLS``.
+STATE_GROUP_POOL_CALLS_BY_RELEASE = {
+    "0.30": _STATE_GROUP_POOL_CALLS_0_30,
+    "0.31": _STATE_GROUP_POOL_CALLS_0_30,
+    "0.32": _STATE_GROUP_POOL_CALLS_0_30,
+    "0.33": _STATE_GROUP_POOL_CALLS_0_30 | {"num_hash_lookahead_tokens"},
+    "0.34": _STATE_GROUP_POOL_CALLS_0_30 | {"num_hash_lookahead_tokens"},
+}
+
+
+def test_state_group_pool_calls_are_pinned_per_release() -> None:
+    release = ".".join(targets.vllm_version().split(".")[:2])
+    assert set(targets.check_state_groups()) == STATE_GROUP_POOL_CALLS_BY_RELEASE[release]
+
+
+def test_pool_calls_through_a_parameter_are_found() -> None:
+    """``block_pool.x`` on a parameter (a classmethod's ``block_pool``) counts like
+    ``self.block_pool.x``: read from the source, whatever opcodes load a parameter
+    (CPython 3.14: ``LOAD_FAST_BORROW``); the bytecode reading missed these."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    assert {"get_cached_block", "null_block"} <= targets.pool_calls(SlidingWindowManager)
+
+
+def test_constructor_stores_are_those_on_self_only() -> None:
+    """``manager.x = ...`` in a constructor stores nothing on the object built (the
+    bytecode reading counted every ``STORE_ATTR``)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    stores = targets.constructor_stores(KVCacheCoordinator)
+    assert "single_type_managers" in stores
+    assert "drop_eagle_checkpoint_block" not in stores
 
 
 def test_an_unreviewed_state_group_pool_call_stops_start_up(

@@ -14,11 +14,11 @@ constructor assign the attribute), never by comparing version strings.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import dis
 import importlib
 import inspect
-import itertools
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -473,7 +473,7 @@ def declared_fields(cls: type) -> set[str]:
 
 def has_instance_attribute(cls: type, name: str) -> bool:
     """Whether instances of ``cls`` have ``name``: declared, a class attribute or property,
-    or stored by a constructor in the MRO (read from its bytecode)."""
+    or stored by a constructor in the MRO (read from its source)."""
     if name in declared_fields(cls) or inspect.getattr_static(cls, name, None) is not None:
         return True
     return any(name in constructor_stores(klass) for klass in cls.__mro__)
@@ -485,16 +485,50 @@ def constructor_stores(cls: type) -> frozenset[str]:
     return _stores(init) if init is not None else frozenset()
 
 
-def _stores(function: Any, depth: int = 0) -> frozenset[str]:
-    """Attribute names ``function`` stores, and those of the constructor it wraps: found
-    through ``__wrapped__``, or kept in its closure by a wrapper made without
-    ``functools.wraps`` (kvcached's ``KVCacheCoordinator.__init__`` patch keeps vLLM's
-    constructor that way)."""
-    function = inspect.unwrap(function)
+def function_tree(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of ``function``'s source (None: it has none, e.g. a slot wrapper
+    or a dataclass's generated ``__init__``, whose stores are its declared fields).
+    Source, not bytecode: opcodes change with CPython releases (3.12 folded
+    ``LOAD_METHOD`` into ``LOAD_ATTR``, 3.14 loads a parameter with
+    ``LOAD_FAST_BORROW``), the syntax does not.
+
+    Raises:
+        GuardUnsupportedError: a Python function whose source cannot be read (an
+            installation without ``.py`` files): what it does cannot be checked.
+    """
     code = getattr(function, "__code__", None)
-    if code is None:
+    if code is None or code.co_filename.startswith("<"):
+        return None  # not Python source, or generated (a dataclass's or namedtuple's)
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError) as exc:
+        raise unsupported(
+            f"{function.__module__}.{function.__qualname__}",
+            f"has no readable source ({exc}); the guard reads what vLLM's code does there",
+        ) from exc
+    node = ast.parse(source).body[0]
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)), function
+    return node
+
+
+def _stores(function: Any, depth: int = 0) -> frozenset[str]:
+    """Attribute names ``function`` stores on its first parameter (``self.x = ...``),
+    and those of the constructor it wraps: found through ``__wrapped__``, or kept in its
+    closure by a wrapper made without ``functools.wraps`` (kvcached's
+    ``KVCacheCoordinator.__init__`` patch keeps vLLM's constructor that way)."""
+    function = inspect.unwrap(function)
+    tree = function_tree(function)
+    if tree is None or not tree.args.args:
         return frozenset()
-    names = {op.argval for op in dis.get_instructions(code) if op.opname == "STORE_ATTR"}
+    this = tree.args.args[0].arg
+    names = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == this
+    }
     for cell in (function.__closure__ or ()) if depth < 4 else ():
         try:
             wrapped = cell.cell_contents
@@ -532,7 +566,7 @@ def check_coordinator_pool_class() -> Any:
 
 #: Everything vLLM's ``MambaManager`` (the state groups of hybrid models: Mamba, GDN and
 #: other linear-attention layers, whose per-block recurrent state is cached in ``align``
-#: mode) does to the pool, read from its bytecode, and why the guard stays exact with it.
+#: mode) does to the pool, read from its source, and why the guard stays exact with it.
 #: A pool method outside this list stops start-up: it could register, move or drop a
 #: state block's hash where the guard's records would not follow.
 STATE_GROUP_POOL_CALLS: dict[str, str] = {
@@ -554,29 +588,23 @@ STATE_GROUP_MANAGER = f"{SINGLE_TYPE_MANAGER}.MambaManager"
 
 def pool_calls(cls: type) -> frozenset[str]:
     """The attributes ``cls``'s own methods and property getters use on a block pool
-    (``self.block_pool.x``, or ``block_pool.x`` on a parameter of that name), nested
-    functions included."""
+    (``self.block_pool.x``, or ``block_pool.x`` on a name of that name), nested
+    functions included; read from their source (:func:`function_tree`)."""
     names: set[str] = set()
-
-    def scan(code: Any) -> None:
-        instructions = list(dis.get_instructions(code))
-        for op, following in itertools.pairwise(instructions):
-            if (
-                op.argval == "block_pool"
-                and op.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_FAST")
-                and following.opname in ("LOAD_ATTR", "LOAD_METHOD")
-            ):
-                names.add(following.argval)
-        for const in code.co_consts:
-            if inspect.iscode(const):
-                scan(const)
-
     for member in vars(cls).values():
         function = member.fget if isinstance(member, property) else member
         function = getattr(function, "__func__", function)
-        code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
-        if code is not None:
-            scan(code)
+        if not callable(function):
+            continue
+        tree = function_tree(inspect.unwrap(function))
+        for node in ast.walk(tree) if tree is not None else ():
+            if not isinstance(node, ast.Attribute):
+                continue
+            holder = node.value
+            if (isinstance(holder, ast.Attribute) and holder.attr == "block_pool") or (
+                isinstance(holder, ast.Name) and holder.id == "block_pool"
+            ):
+                names.add(node.attr)
     return frozenset(names)
 
 
