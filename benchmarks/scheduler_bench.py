@@ -237,10 +237,10 @@ class TimedDriver(MeteredDriver):
 
     def call_schedule(self) -> Any:
         pool = self.pool
-        tracked = pool.guard_recorded if pool is not None else 0
+        tracked = pool.registrations_tracked if pool is not None else 0
         output, self.schedule_ns = self._timed(self.scheduler.schedule)
         if pool is not None:
-            registered = pool.guard_recorded - tracked
+            registered = pool.registrations_tracked - tracked
             if registered > self.max_registrations_per_step:
                 self.max_registrations_per_step = registered
         return output

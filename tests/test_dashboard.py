@@ -46,8 +46,10 @@ PROMQL_WORDS = {
 
 def guard_names() -> set[str]:
     """Sample names of every series the guard serves (counters end in ``_total``)."""
-    counters = [name for name, _, _ in metrics.COUNTERS] + [metrics.ROLLBACKS]
-    return {f"{name}_total" for name in counters} | {metrics.UNCOMMITTED}
+    counters = [key for key, _ in metrics.COUNTERS] + [metrics.ROLLED_BACK]
+    return {f"{metrics.PREFIX}{key}_total" for key in counters} | {
+        metrics.PREFIX + metrics.UNCOMMITTED
+    }
 
 
 def vllm_names() -> set[str]:
@@ -153,7 +155,7 @@ def test_plot_script_rates_match_prometheus_rate() -> None:
     assert spec is not None and spec.loader is not None
     plot_metrics = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_metrics)
-    name = "vllm:prefix_guard_rollbacks_total"
+    name = "vllm:prefix_guard_rolled_back_total"
     trace = {
         "samples": [
             {

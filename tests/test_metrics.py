@@ -46,7 +46,7 @@ def test_one_series_per_engine_with_vllm_labels(tmp_path: Path) -> None:
     rollbacks = {
         (labels, value)
         for (name, labels), value in samples.items()
-        if name == "vllm:prefix_guard_rollbacks_total" and value
+        if name == "vllm:prefix_guard_rolled_back_total" and value
     }
     assert rollbacks == {
         ((("cause", "preempted"), *engine0), 2),

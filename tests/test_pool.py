@@ -138,7 +138,7 @@ def test_rollback_skips_a_block_evicted_and_reused_since() -> None:
     rollback.roll_back(output, {block.block_id})
     assert rollback.loaders == {"a": {block.block_id}}
     assert block.block_hash is not None  # b's registration survives
-    assert pool.guard_stale == 1
+    assert pool.stale_entries_skipped == 1
     assert pool.guard_removed == 0
 
 
@@ -269,7 +269,7 @@ def test_a_partial_key_registered_again_since_is_not_rolled_back() -> None:
     rollback.roll_back(output, {block.block_id})
     assert rollback.loaders == {"r": {block.block_id}}
     assert pool.cached_block_hash_to_block.contain(again, block.block_id)
-    assert pool.guard_stale == 1
+    assert pool.stale_entries_skipped == 1
     assert pool.guard_removed == 0
 
 
@@ -304,3 +304,14 @@ def test_preemption_without_computed_tokens_rolls_back_everything() -> None:
     pool.cache_full_blocks(request, blocks, 0, 2, 16, 0)
     rules.rollback_preempted("r", num_written_tokens=0)
     assert all(b.block_hash is None for b in blocks)
+
+
+def test_the_pool_counters_shadow_nothing_of_vllm() -> None:
+    """The mixin's counters carry the names the stats and ``/metrics`` use (no ``guard_``
+    prefix), so none may be a name vLLM's pool has."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_prefix_guard import targets
+
+    vllm_names = set(dir(BlockPool)) | targets.constructor_stores(BlockPool)
+    assert not {"registrations_tracked", "stale_entries_skipped"} & vllm_names

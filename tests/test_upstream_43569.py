@@ -124,9 +124,9 @@ def test_confirmed_registrations_are_not_tracked(
             inside["depth"] -= 1
 
     def checking_insert_block_hash(self: Any, *args: Any, **kwargs: Any) -> Any:
-        recorded = self.guard_recorded
+        recorded = self.registrations_tracked
         result = insert_block_hash(self, *args, **kwargs)
-        if self.guard_recorded != recorded and not inside["depth"]:
+        if self.registrations_tracked != recorded and not inside["depth"]:
             inside["outside_records"] += 1
         return result
 

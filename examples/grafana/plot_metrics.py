@@ -120,7 +120,7 @@ def _column(axes: Sequence[Any], trace: dict[str, Any], window: float, guarded: 
     )
     if has_guard:
         for cause in CAUSES:
-            t, v = summed(trace, "vllm:prefix_guard_rollbacks_total", cause=cause)
+            t, v = summed(trace, "vllm:prefix_guard_rolled_back_total", cause=cause)
             rt, rv = windowed_rate(t, v, window)
             label = f"{cause} (total {v[-1]:.0f})" if v else cause
             rollbacks.plot(rt, rv, color=COLOURS[cause], label=label, linewidth=1.6)

@@ -21,8 +21,8 @@ from typing import Any
 
 from guard_demo.server import http_get_text
 
-# The ``cause`` label of ``vllm:prefix_guard_rollbacks_total`` -> the counter key.
-from vllm_prefix_guard.metrics import ROLLBACK_CAUSES
+# The ``cause`` label of ``vllm:prefix_guard_rolled_back_total`` -> the counter key.
+from vllm_prefix_guard.metrics import COUNTERS, ROLLBACK_CAUSES, ROLLED_BACK, UNCOMMITTED
 
 __all__ = [
     "GUARD_PREFIX",
@@ -39,14 +39,9 @@ __all__ = [
 _COUNTERS_LINE = re.compile(r"vllm-prefix-guard counters:.*?\brolled_back=(\d+)")
 #: Every series the guard exports starts with this.
 GUARD_PREFIX = "vllm:prefix_guard_"
-#: Sample name (``vllm:prefix_guard_`` left out) -> the counter key in the guard's files.
-GUARD_SAMPLES = {
-    "registrations_tracked_total": "registrations_tracked",
-    "steps_committed_total": "steps_committed",
-    "stale_records_skipped_total": "stale_entries_skipped",
-    "dependents_preempted_total": "dependents_preempted",
-    "uncommitted_entries": "uncommitted_entries",
-}
+#: Sample name (``vllm:prefix_guard_`` left out) -> the counter key in the guard's files
+#: (the same name; counters end in ``_total``).
+GUARD_SAMPLES = {f"{key}_total": key for key, _ in COUNTERS} | {UNCOMMITTED: UNCOMMITTED}
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -103,7 +98,7 @@ def guard_counters_by_engine(text: str) -> dict[str, dict[str, float]]:
             continue
         short = name[len(GUARD_PREFIX) :]
         counters = engines.setdefault(labels.get("engine", "?"), {})
-        if short == "rollbacks_total":
+        if short == f"{ROLLED_BACK}_total":
             counters[ROLLBACK_CAUSES.get(labels.get("cause", ""), short)] = value
         elif short in GUARD_SAMPLES:
             counters[GUARD_SAMPLES[short]] = value

@@ -20,8 +20,8 @@ disturb vLLM's own metrics:
   every registry a ``MultiProcessCollector`` is built for, too.
 
 Names follow vLLM's (``vllm:`` prefix, counters exported with ``_total``) and so do the
-labels (``model_name``, ``engine``). A scrape never raises: an unreadable file is
-skipped.
+labels (``model_name``, ``engine``); past the prefix, each is the counter's own name. A
+scrape never raises: an unreadable file is skipped.
 """
 
 from __future__ import annotations
@@ -48,38 +48,33 @@ REGISTRY_FUNCTION = "get_prometheus_registry"
 MULTIPROCESS_MODULE = "prometheus_client.multiprocess"
 MULTIPROCESS_COLLECTOR = "MultiProcessCollector"
 
-#: (metric name, type, help, counter key or (label value -> counter key) for ``cause``)
-COUNTERS: tuple[tuple[str, str, str], ...] = (
+#: Every series is ``vllm:prefix_guard_<key>``, ``<key>`` the counter's name in
+#: :class:`~vllm_prefix_guard.stats.GuardStats` and the engines' files: one name per
+#: counter from the pool to ``/metrics``. (key, help) of the plain counters:
+COUNTERS: tuple[tuple[str, str], ...] = (
     (
-        "vllm:prefix_guard_registrations_tracked",
         "registrations_tracked",
         "Prefix-cache registrations made for tokens a step is about to compute, tracked "
         "by the guard until the step's output commits them.",
     ),
+    ("steps_committed", "Scheduler steps whose registrations were committed."),
     (
-        "vllm:prefix_guard_steps_committed",
-        "steps_committed",
-        "Scheduler steps whose registrations were committed.",
-    ),
-    (
-        "vllm:prefix_guard_stale_records_skipped",
         "stale_entries_skipped",
         "Rollback records skipped because their block had been evicted or re-registered.",
     ),
     (
-        "vllm:prefix_guard_dependents_preempted",
         "dependents_preempted",
         "Requests made to recompute (preempted, or their output in flight dropped) "
         "because they computed over rolled-back blocks.",
     ),
 )
-ROLLBACKS = "vllm:prefix_guard_rollbacks"
+PREFIX = "vllm:prefix_guard_"
+#: ``rolled_back_<cause>`` in the files, ``vllm:prefix_guard_rolled_back{cause=...}`` here.
+ROLLED_BACK = "rolled_back"
 ROLLBACK_CAUSES = {
-    "preempted": "rolled_back_preempted",
-    "kv_load_failure": "rolled_back_kv_load_failure",
-    "dropped_step": "rolled_back_dropped_step",
+    cause: f"{ROLLED_BACK}_{cause}" for cause in ("preempted", "kv_load_failure", "dropped_step")
 }
-UNCOMMITTED = "vllm:prefix_guard_uncommitted_entries"
+UNCOMMITTED = "uncommitted_entries"
 LABELS = ("model_name", "engine")
 
 
@@ -151,27 +146,27 @@ class GuardCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         documents = list(self._documents())
-        for name, key, help_text in COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=LABELS)
+        for key, help_text in COUNTERS:
+            family = CounterMetricFamily(PREFIX + key, help_text, labels=LABELS)
             for labels, counters in documents:
                 family.add_metric(labels, counters.get(key, 0))
             yield family
         rollbacks = CounterMetricFamily(
-            ROLLBACKS,
+            PREFIX + ROLLED_BACK,
             "Prefix-cache registrations the guard removed before any request could hit them, "
             "by cause: the request was preempted in the same schedule() call, its KV load "
             "failed, or its step never came back.",
             labels=(*LABELS, "cause"),
         )
         uncommitted = GaugeMetricFamily(
-            UNCOMMITTED,
+            PREFIX + UNCOMMITTED,
             "Registrations of steps in flight, not yet committed.",
             labels=LABELS,
         )
         for labels, counters in documents:
             for cause, key in ROLLBACK_CAUSES.items():
                 rollbacks.add_metric([*labels, cause], counters.get(key, 0))
-            uncommitted.add_metric(labels, counters.get("uncommitted_entries", 0))
+            uncommitted.add_metric(labels, counters.get(UNCOMMITTED, 0))
         yield rollbacks
         yield uncommitted
 

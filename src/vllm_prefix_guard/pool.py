@@ -64,9 +64,9 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
     # block's physical pages): an undone block nobody holds is evicted through it.
     _guard_evict_releases: bool
     # Entries recorded; entries removed that were still cached, and that were not.
-    guard_recorded: int
+    registrations_tracked: int
     guard_removed: int
-    guard_stale: int
+    stale_entries_skipped: int
     # The grafted class's own implementation of each targets.FORWARDED method (graft() binds
     # them per guarded class, as static functions called with the pool).
     _next_cache_full_blocks: Callable[..., Any]
@@ -78,7 +78,7 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         self.uncommitted_entries = None
         self._guard_request_id = None
         self.guard_epoch = 0
-        self.guard_recorded = self.guard_removed = self.guard_stale = 0
+        self.registrations_tracked = self.guard_removed = self.stale_entries_skipped = 0
         self.kept_block_owners = set()
         native = targets.resolve(targets.BLOCK_POOL, "BlockPool").evict_blocks
         self._guard_evict_releases = type(self).evict_blocks is not native
@@ -185,7 +185,7 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
                 entries[self._guard_request_id] = [(key, block, num_tokens)]
             else:
                 request_entries.append((key, block, num_tokens))
-            self.guard_recorded += 1
+            self.registrations_tracked += 1
         return result
 
     def _emit_block_removed_events(self, block_hashes: Any) -> Any:
@@ -212,7 +212,7 @@ class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
         if removed:
             self.guard_removed += 1
         else:
-            self.guard_stale += 1
+            self.stale_entries_skipped += 1
         return removed
 
 

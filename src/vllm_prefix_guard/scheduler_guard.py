@@ -40,7 +40,7 @@ class SchedulerGuard:
         self.rollback_class = rollback_class
         self.stats = GuardStats()
         self._epoch = self.pool.guard_epoch
-        self._recorded = self.pool.guard_recorded
+        self._recorded = self.pool.registrations_tracked
 
     # -- the calls the series places in Scheduler -------------------------------------
 
@@ -53,8 +53,8 @@ class SchedulerGuard:
     def end_step(self, output: Any) -> None:
         """``schedule()`` returns ``output``."""
         self.rules.end_step(output)
-        if self.pool.guard_recorded != self._recorded:
-            self._recorded = self.pool.guard_recorded
+        if self.pool.registrations_tracked != self._recorded:
+            self._recorded = self.pool.registrations_tracked
             uncommitted = self.num_uncommitted_entries
             if uncommitted > self.stats.peak_uncommitted_entries:
                 self.stats.peak_uncommitted_entries = uncommitted
@@ -126,8 +126,8 @@ class SchedulerGuard:
         """The counters as operators read them. Safe from another thread: integer reads
         and one pass over the records in flight, each listed at once under the GIL."""
         stats = self.stats
-        stats.registrations_tracked = self.pool.guard_recorded
-        stats.stale_entries_skipped = self.pool.guard_stale
+        stats.registrations_tracked = self.pool.registrations_tracked
+        stats.stale_entries_skipped = self.pool.stale_entries_skipped
         return {**stats.as_dict(), "uncommitted_entries": self.num_uncommitted_entries}
 
     @property

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.e2e
 #: the reload by prompt and output tokens, which it never stored).
 NUM_GPU_BLOCKS = 160
 _ROLLBACKS_LINE = re.compile(
-    r'^vllm:prefix_guard_rollbacks_total\{[^}]*cause="kv_load_failure"[^}]*\}\s+(\S+)$',
+    r'^vllm:prefix_guard_rolled_back_total\{[^}]*cause="kv_load_failure"[^}]*\}\s+(\S+)$',
     re.MULTILINE,
 )
 

@@ -263,21 +263,22 @@ def test_guard_series_once_per_engine_with_vllm_labels(observed: Observed) -> No
         assert max(keys.values()) == 1, [k for k, c in keys.items() if c > 1]
         by_name: dict[str, list[str]] = {}
         for name, labels in samples:
-            expected = {"model_name", "engine"} | ({"cause"} if "rollbacks" in name else set())
+            expected = {"model_name", "engine"} | ({"cause"} if "rolled_back" in name else set())
             assert set(labels) == expected, (name, labels)
             assert labels["model_name"] == SERVED_MODEL_NAME
             by_name.setdefault(name, []).append(labels["engine"])
         assert set(by_name) == {
             "vllm:prefix_guard_registrations_tracked_total",
             "vllm:prefix_guard_steps_committed_total",
-            "vllm:prefix_guard_stale_records_skipped_total",
+            "vllm:prefix_guard_stale_entries_skipped_total",
             "vllm:prefix_guard_dependents_preempted_total",
-            "vllm:prefix_guard_rollbacks_total",
+            "vllm:prefix_guard_rolled_back_total",
             "vllm:prefix_guard_uncommitted_entries",
         }
         for name, seen in by_name.items():
             # One series per rollback cause.
-            per_engine = len(ROLLBACK_CAUSES) if name == "vllm:prefix_guard_rollbacks_total" else 1
+            rolled_back = name == "vllm:prefix_guard_rolled_back_total"
+            per_engine = len(ROLLBACK_CAUSES) if rolled_back else 1
             assert sorted(seen) == sorted(engines * per_engine), (name, seen)
     # Every engine served requests and tracked registrations.
     by_engine = guard_counters_by_engine(observed.guarded_scrapes[0])

@@ -74,10 +74,10 @@ class Audit:
         insert_block_hash = PrefixGuardPool._insert_block_hash
 
         def recording(pool: Any, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
-            recorded = pool.guard_recorded
+            recorded = pool.registrations_tracked
             result = insert_block_hash(pool, key, block, *args, **kwargs)
             audit = Audit.current
-            if audit is not None and pool.guard_recorded != recorded:
+            if audit is not None and pool.registrations_tracked != recorded:
                 audit.recorded.append((key, block.block_id))
             return result
 
