@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_prefix_guard import metrics, plugin
 from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard.patching import is_guard_patch
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -55,22 +56,20 @@ def test_one_series_per_engine_with_vllm_labels(tmp_path: Path) -> None:
     assert samples[("vllm:prefix_guard_uncommitted_entries", engine0)] == 0
 
 
-@pytest.mark.parametrize("multiprocess", [False, True])
-def test_the_registry_vllm_serves_carries_the_guard(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, multiprocess: bool
+def test_one_api_server_serves_the_guard_from_the_default_registry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """One API server (vLLM's default registry) and several (a multiprocess registry
-    built per app): either way the registry vLLM mounts at /metrics has the guard."""
+    """One API server: vLLM serves prometheus_client's REGISTRY, on which the plugin
+    registers its collector when it loads (nothing of vLLM or prometheus_client patched)."""
+    from prometheus_client import REGISTRY
     from vllm.v1.metrics import prometheus
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     monkeypatch.setenv(plugin.ENV_VAR, "1")
     monkeypatch.setenv(metrics.RUN_DIR_ENV, str(run_dir))
-    if multiprocess:
-        prom_dir = tmp_path / "prom"
-        prom_dir.mkdir()
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom_dir))
+    monkeypatch.delenv(metrics.MULTIPROC_DIR_ENV, raising=False)
+    monkeypatch.setattr(metrics, "_registered", False)
     plugin.register()
     scheduler = make_scheduler(num_blocks=40)
     driver = Driver(scheduler)
@@ -78,6 +77,7 @@ def test_the_registry_vllm_serves_carries_the_guard(
     driver.run()
     scheduler.shutdown()  # the last write
     registry = prometheus.get_prometheus_registry()
+    assert registry is REGISTRY
     try:
         samples = scrape(registry)
         tracked = [
@@ -86,41 +86,66 @@ def test_the_registry_vllm_serves_carries_the_guard(
             if name == "vllm:prefix_guard_registrations_tracked_total"
         ]
         assert tracked and tracked[0] > 0
+        assert not any(is_guard_patch(p) for p in patched_prometheus())
     finally:
-        if not multiprocess:
-            for collector in list(registry._collector_to_names):
-                if isinstance(collector, metrics.GuardCollector):
-                    registry.unregister(collector)
+        for collector in list(REGISTRY._collector_to_names):
+            if isinstance(collector, metrics.GuardCollector):
+                REGISTRY.unregister(collector)
+
+
+def patched_prometheus() -> list[object]:
+    """What ``/metrics`` is built from, as the process sees it now."""
+    from prometheus_client import multiprocess
+    from vllm.v1.metrics import prometheus
+
+    return [prometheus.get_prometheus_registry, multiprocess.MultiProcessCollector]
+
+
+def export_engines(monkeypatch: pytest.MonkeyPatch, prom_dir: Path) -> None:
+    """Two engines' counters in Prometheus' multiprocess files, as their publisher threads
+    write them when several API servers serve /metrics (prometheus_client picks its
+    multiprocess values when imported with the directory set, as an engine process is)."""
+    from prometheus_client import values
+
+    monkeypatch.setenv(metrics.MULTIPROC_DIR_ENV, str(prom_dir))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    for engine, counters in (
+        (0, {"registrations_tracked": 5, "rolled_back_preempted": 1}),
+        (1, {"registrations_tracked": 3, "uncommitted_entries": 2}),
+    ):
+        export = metrics.multiprocess_export({"model_name": "m", "engine": str(engine)})
+        assert export is not None
+        export.update({"registrations_tracked": 1})
+        export.update(counters)  # counters advance by what changed
 
 
 def test_several_api_servers_serve_the_guard_on_every_metrics_route(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """With several API servers (Prometheus multiprocess mode) vLLM's ``GET /metrics`` is
-    answered by prometheus-fastapi-instrumentator's endpoint, which builds a fresh registry
-    with a ``MultiProcessCollector`` for every scrape instead of using the registry vLLM
-    passed it; only ``/metrics/`` reaches the registry from ``get_prometheus_registry``. Seen
-    on a real ``vllm serve --api-server-count 2``: no guard series on ``/metrics`` at all."""
+    """With several API servers (Prometheus multiprocess mode) every scrape of ``/metrics``
+    (prometheus-fastapi-instrumentator's endpoint) and ``/metrics/`` (vLLM's registry)
+    builds a fresh registry around a ``MultiProcessCollector``: the engines' multiprocess
+    files reach both, each series once per engine."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
     from vllm.entrypoints.serve.instrumentator.metrics import attach_router
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    write_engine(run_dir, 0, registrations_tracked=7)
     prom_dir = tmp_path / "prom"
     prom_dir.mkdir()
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom_dir))
-    monkeypatch.setenv(plugin.ENV_VAR, "1")
-    monkeypatch.setenv(metrics.RUN_DIR_ENV, str(run_dir))
-    plugin.register()
+    export_engines(monkeypatch, prom_dir)
     app = FastAPI()
     attach_router(app)
     client = TestClient(app)
-    series = 'vllm:prefix_guard_registrations_tracked_total{engine="0",model_name="m"} 7.0'
+    expected = (
+        'vllm:prefix_guard_registrations_tracked_total{engine="0",model_name="m"} 5.0',
+        'vllm:prefix_guard_registrations_tracked_total{engine="1",model_name="m"} 3.0',
+        'vllm:prefix_guard_rolled_back_total{cause="preempted",engine="0",model_name="m"} 1.0',
+        'vllm:prefix_guard_uncommitted_entries{engine="1",model_name="m"} 2.0',
+    )
     for route in ("/metrics", "/metrics/"):
         text = client.get(route).text
-        assert text.count(series) == 1, (route, text[:300])
+        for series in expected:
+            assert text.count(series) == 1, (route, series, text[:400])
 
 
 def test_a_server_started_from_a_guarded_process_makes_its_own_run_dir() -> None:

@@ -49,15 +49,9 @@ def guard_log() -> Iterator[list[str]]:
 def test_on_values_apply(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(ENV_VAR, value)
     plugin.register()
-    assert plugin.is_applied() and set(plugin.applied_targets()) >= PATCHED
-    exported = set(plugin.applied_targets()) - PATCHED
-    # vLLM's registry function (where defined and where imported by name) and the
-    # multiprocess collector the instrumentator's /metrics endpoint builds per scrape.
-    assert "vllm.v1.metrics.prometheus.get_prometheus_registry" in exported
-    assert "prometheus_client.multiprocess.MultiProcessCollector" in exported
-    assert all(
-        name.endswith((".get_prometheus_registry", ".MultiProcessCollector")) for name in exported
-    )
+    # The scheduler and the pool only: /metrics goes through prometheus_client's own
+    # channels (test_metrics.py), nothing of vLLM's metrics is patched.
+    assert plugin.is_applied() and set(plugin.applied_targets()) == PATCHED
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "OFF"])

@@ -106,8 +106,8 @@ def engine_labels(scheduler: Any) -> tuple[str, int, int]:
 
 
 def make_publisher(scheduler: Any) -> StatsPublisher | None:
-    """The engine's counter files: its ``/metrics`` file in the run directory and the
-    operator's stats file, if either is set up; None otherwise."""
+    """The engine's counter files (its ``/metrics`` file in the run directory, the
+    operator's stats file) and its multiprocess export, where set up; None if none is."""
     model, engine, engines = engine_labels(scheduler)
     paths = []
     directory = metrics.run_dir()
@@ -116,7 +116,9 @@ def make_publisher(scheduler: Any) -> StatsPublisher | None:
     template = os.environ.get(STATS_FILE_ENV, "").strip()
     if template:
         paths.append(stats_file_path(template, engine, engines))
-    if not paths:
+    labels = {"model_name": model, "engine": str(engine)}
+    export = metrics.multiprocess_export(labels)
+    if not paths and export is None:
         return None
     # A weak reference: the thread ends with the scheduler, it never keeps it alive.
     owner = weakref.ref(scheduler)
@@ -125,7 +127,7 @@ def make_publisher(scheduler: Any) -> StatsPublisher | None:
         guard = guard_of(owner())
         return None if guard is None else guard.counters()
 
-    return StatsPublisher(read, paths, {"model_name": model, "engine": str(engine)})
+    return StatsPublisher(read, paths, labels, export=export.update if export is not None else None)
 
 
 # -- wrappers (each takes the original and returns the replacement) ------------------

@@ -1,23 +1,20 @@
-"""The guard's counters on vLLM's own ``/metrics``, one series per engine.
+"""The guard's counters on vLLM's own ``/metrics``, one series per engine, through
+prometheus_client's own channels: nothing of vLLM or prometheus_client is patched.
 
 The counters live in each EngineCore (one per data-parallel rank); ``/metrics`` is served
-by the API server process(es). vLLM has no channel between the two for a plugin (its
-``SchedulerStats`` drops extra fields), so the guard uses the simplest one that cannot
-disturb vLLM's own metrics:
+by the API server process(es). vLLM's ``vllm.v1.metrics.prometheus.get_prometheus_registry``
+decides which channel reaches it:
 
-- the first process that loads the plugin (the API server, or ``vllm serve``'s launcher
-  with several API servers or data parallelism) makes a run directory and exports its
-  path in :data:`RUN_DIR_ENV`, which every process it starts inherits;
-- each EngineCore's :class:`~vllm_prefix_guard.stats.StatsPublisher` keeps
-  ``engine-<rank>.json`` there current (a background thread; nothing on the step path);
-- in the API server, :class:`GuardCollector` reads those files when ``/metrics`` is
-  scraped. It is added to whichever registry vLLM serves (its own default registry, or
-  the multiprocess one vLLM builds with several API servers) by wrapping vLLM's
-  ``get_prometheus_registry``; vLLM's own metrics are untouched. With several API servers
-  (Prometheus multiprocess mode), ``GET /metrics`` is answered by
-  prometheus-fastapi-instrumentator's endpoint, which ignores that registry and builds a
-  new one around a ``MultiProcessCollector`` for every scrape: the guard's collector joins
-  every registry a ``MultiProcessCollector`` is built for, too.
+- one API server: it serves prometheus_client's global ``REGISTRY``. The first process
+  that loads the plugin makes a run directory (:data:`RUN_DIR_ENV`, inherited by the
+  processes it starts); each engine's :class:`~vllm_prefix_guard.stats.StatsPublisher`
+  keeps ``engine-<rank>.json`` there current (a background thread, nothing on the step
+  path), and :class:`GuardCollector`, registered on ``REGISTRY`` when the plugin loads,
+  reads those files when ``/metrics`` is scraped;
+- several API servers (``PROMETHEUS_MULTIPROC_DIR`` set by vLLM's launcher, inherited by
+  the engines): every scrape builds a fresh registry around a ``MultiProcessCollector``,
+  which reads prometheus_client's multiprocess files. The publisher thread of each engine
+  writes its counters there itself (:class:`MultiprocessExport`).
 
 Names follow vLLM's (``vllm:`` prefix, counters exported with ``_total``) and so do the
 labels (``model_name``, ``engine``); past the prefix, each is the counter's own name. A
@@ -30,23 +27,19 @@ import atexit
 import json
 import os
 import shutil
-import sys
 import tempfile
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
-from vllm_prefix_guard.patching import PatchRegistry
 
 #: The run directory the engines and the API servers of one server share.
 RUN_DIR_ENV = "VLLM_PREFIX_GUARD_RUN_DIR"
-PROMETHEUS_MODULE = "vllm.v1.metrics.prometheus"
-REGISTRY_FUNCTION = "get_prometheus_registry"
-MULTIPROCESS_MODULE = "prometheus_client.multiprocess"
-MULTIPROCESS_COLLECTOR = "MultiProcessCollector"
+#: Set by vLLM's launcher when several API servers serve ``/metrics`` (Prometheus'
+#: multiprocess mode), and inherited by the engines.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 #: Every series is ``vllm:prefix_guard_<key>``, ``<key>`` the counter's name in
 #: :class:`~vllm_prefix_guard.stats.GuardStats` and the engines' files: one name per
@@ -75,6 +68,13 @@ ROLLBACK_CAUSES = {
     cause: f"{ROLLED_BACK}_{cause}" for cause in ("preempted", "kv_load_failure", "dropped_step")
 }
 UNCOMMITTED = "uncommitted_entries"
+ROLLBACK_HELP = (
+    "Prefix-cache registrations the guard removed before any request could hit them, by "
+    "cause: the request was preempted in the same schedule() call, its KV load failed, or "
+    "its step never came back."
+)
+UNCOMMITTED_HELP = "Registrations of steps in flight, not yet committed."
+
 LABELS = ("model_name", "engine")
 
 
@@ -152,17 +152,9 @@ class GuardCollector:
                 family.add_metric(labels, counters.get(key, 0))
             yield family
         rollbacks = CounterMetricFamily(
-            PREFIX + ROLLED_BACK,
-            "Prefix-cache registrations the guard removed before any request could hit them, "
-            "by cause: the request was preempted in the same schedule() call, its KV load "
-            "failed, or its step never came back.",
-            labels=(*LABELS, "cause"),
+            PREFIX + ROLLED_BACK, ROLLBACK_HELP, labels=(*LABELS, "cause")
         )
-        uncommitted = GaugeMetricFamily(
-            PREFIX + UNCOMMITTED,
-            "Registrations of steps in flight, not yet committed.",
-            labels=LABELS,
-        )
+        uncommitted = GaugeMetricFamily(PREFIX + UNCOMMITTED, UNCOMMITTED_HELP, labels=LABELS)
         for labels, counters in documents:
             for cause, key in ROLLBACK_CAUSES.items():
                 rollbacks.add_metric([*labels, cause], counters.get(key, 0))
@@ -185,91 +177,81 @@ class GuardCollector:
             yield labels, counters
 
 
-_served: weakref.WeakSet[Any] = weakref.WeakSet()
+_registered = False
 
 
-def add_collector(registry: Any) -> None:
-    """Add the guard's collector to ``registry`` once; never raise (reporting only)."""
-    directory = run_dir()
-    if directory is None or registry in _served:
-        return
-    try:
-        registry.register(GuardCollector(directory))
-        _served.add(registry)
-    except Exception as exc:  # vLLM serves on without the guard's series
-        logger().warning("vllm-prefix-guard: /metrics will not show the guard (%s)", exc)
-
-
-def wrap_get_prometheus_registry(original: Callable[[], Any]) -> Callable[[], Any]:
-    import functools
-
-    @functools.wraps(original)
-    def get_prometheus_registry(*args: Any, **kwargs: Any) -> Any:
-        registry = original(*args, **kwargs)
-        add_collector(registry)
-        return registry
-
-    return get_prometheus_registry
-
-
-def wrap_multiprocess_collector(original: type) -> type:
-    """``MultiProcessCollector`` whose registry also gets the guard's collector."""
-
-    class MultiProcessCollector(original):
-        def __init__(self, registry: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(registry, *args, **kwargs)
-            if registry is not None:
-                add_collector(registry)
-
-    for attribute in ("__name__", "__qualname__", "__module__", "__doc__"):
-        setattr(MultiProcessCollector, attribute, getattr(original, attribute))
-    return MultiProcessCollector
-
-
-def install(registry: PatchRegistry) -> list[str]:
-    """Serve the guard's series on ``/metrics``: wrap vLLM's registry function where it is
-    defined and in every module that already imported it by name.
+def install() -> bool:
+    """Serve the guard's series on ``/metrics`` with one API server: register
+    :class:`GuardCollector` on prometheus_client's ``REGISTRY``, the registry vLLM serves
+    then (several API servers: :class:`MultiprocessExport`). Once per process; never
+    raises (reporting only).
 
     Returns:
-        The patched targets' names (none if this vLLM has no such function: the counters
-        then stay in the files and the shutdown line, and ``doctor`` says so).
+        Whether the collector is registered.
     """
-    module = sys.modules.get(PROMETHEUS_MODULE)
-    if module is None:
-        try:
-            import importlib
+    global _registered
+    directory = run_dir()
+    if _registered or directory is None:
+        return _registered
+    try:
+        from prometheus_client import REGISTRY
 
-            module = importlib.import_module(PROMETHEUS_MODULE)
-        except ImportError:
-            return []
-    original = getattr(module, REGISTRY_FUNCTION, None)
-    if not callable(original):
-        return []
-    patched = []
-    # vars(), not getattr(): a lazy module's __getattr__ must not run (or import) here.
-    holders = [module] + [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("vllm.")
-        and m is not module
-        and vars(m).get(REGISTRY_FUNCTION) is original
-    ]
-    for holder in holders:
-        registry.apply(holder, REGISTRY_FUNCTION, wrap_get_prometheus_registry)
-        patched.append(f"{holder.__name__}.{REGISTRY_FUNCTION}")
-    # Callers build it through the module (``multiprocess.MultiProcessCollector(...)``:
-    # vLLM's get_prometheus_registry, the instrumentator's /metrics endpoint).
-    multiprocess = sys.modules.get(MULTIPROCESS_MODULE)
-    if multiprocess is None:
-        try:
-            import importlib
+        REGISTRY.register(GuardCollector(directory))
+    except Exception as exc:  # vLLM serves on without the guard's series
+        logger().warning("vllm-prefix-guard: /metrics will not show the guard (%s)", exc)
+        return False
+    _registered = True
+    return True
 
-            multiprocess = importlib.import_module(MULTIPROCESS_MODULE)
-        except ImportError:
-            multiprocess = None
-    if multiprocess is not None and isinstance(
-        vars(multiprocess).get(MULTIPROCESS_COLLECTOR), type
-    ):
-        registry.apply(multiprocess, MULTIPROCESS_COLLECTOR, wrap_multiprocess_collector)
-        patched.append(f"{MULTIPROCESS_MODULE}.{MULTIPROCESS_COLLECTOR}")
-    return patched
+
+class MultiprocessExport:
+    """One engine's counters in Prometheus' multiprocess files (several API servers): the
+    ``MultiProcessCollector`` vLLM builds for every scrape reads them. Counters are advanced
+    by what changed since the last call; called by the publisher thread only."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self._labels = [labels[name] for name in LABELS]
+        self._counters = {
+            key: Counter(PREFIX + key, text, LABELS, registry=None).labels(*self._labels)
+            for key, text in COUNTERS
+        }
+        rolled_back = Counter(
+            PREFIX + ROLLED_BACK, ROLLBACK_HELP, (*LABELS, "cause"), registry=None
+        )
+        for cause, key in ROLLBACK_CAUSES.items():
+            self._counters[key] = rolled_back.labels(*self._labels, cause)
+        gauge = Gauge(
+            PREFIX + UNCOMMITTED,
+            UNCOMMITTED_HELP,
+            LABELS,
+            registry=None,
+            multiprocess_mode="mostrecent",
+        )
+        self._uncommitted = gauge.labels(*self._labels)
+        self._last: dict[str, int] = {}
+
+    def update(self, counters: dict[str, int]) -> None:
+        for key, counter in self._counters.items():
+            delta = counters.get(key, 0) - self._last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._uncommitted.set(counters.get(UNCOMMITTED, 0))
+        self._last = dict(counters)
+
+
+def multiprocess_export(labels: dict[str, str]) -> MultiprocessExport | None:
+    """The engine's multiprocess export when several API servers serve ``/metrics``
+    (prometheus_client writes its values to files only then); None otherwise."""
+    if not os.environ.get(MULTIPROC_DIR_ENV):
+        return None
+    from prometheus_client import values
+
+    if "MultiProcessValue" not in getattr(values.ValueClass, "__qualname__", ""):
+        return None  # prometheus_client was imported before the directory was set
+    try:
+        return MultiprocessExport(labels)
+    except Exception as exc:  # reporting only
+        logger().warning("vllm-prefix-guard: /metrics will not show the guard (%s)", exc)
+        return None

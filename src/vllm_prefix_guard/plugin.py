@@ -123,22 +123,14 @@ def apply() -> list[str]:
         registry = PatchRegistry()
         try:
             patched = hooks.install(registry)
-            exported = metrics.install(registry)
         except BaseException:
             registry.undo_all()
             raise
-        _registry, _patched = registry, patched + exported
+        _registry, _patched = registry, patched
         log = logger()
         for name in _patched:
             log.info("vllm-prefix-guard %s: patched %s (vLLM %s)", __version__, name, version)
-        if not exported:
-            log.warning(
-                "vllm-prefix-guard: this vLLM has no %s.%s; the guard's counters are not on "
-                "/metrics (they are in the shutdown log line and in %s if set).",
-                metrics.PROMETHEUS_MODULE,
-                metrics.REGISTRY_FUNCTION,
-                "VLLM_PREFIX_GUARD_STATS_FILE",
-            )
+        metrics.install()
         return list(_patched)
 
 

@@ -114,7 +114,8 @@ def write_json_atomically(path: str, document: dict[str, Any]) -> None:
 
 
 class StatsPublisher:
-    """Keeps ``paths`` holding an engine's latest counters, off the scheduler's thread.
+    """Keeps ``paths`` (and ``export``, if given) holding an engine's latest counters, off
+    the scheduler's thread.
 
     A daemon thread wakes every ``interval_s``, reads the counters (a handful of integer
     loads; the engine thread keeps running) and rewrites the files only when they changed,
@@ -129,8 +130,10 @@ class StatsPublisher:
         paths: Sequence[str],
         labels: dict[str, str],
         interval_s: float = 1.0,
+        export: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
         self._read = read
+        self._export = export
         self._paths = list(paths)
         self._labels = dict(labels)
         self._interval_s = interval_s
@@ -171,6 +174,16 @@ class StatsPublisher:
                         "vllm-prefix-guard: cannot write the counters to %s (%s); that file "
                         "will not be updated again. Serving continues.",
                         path,
+                        exc,
+                    )
+            if self._export is not None:
+                try:
+                    self._export(counters)
+                except Exception as exc:  # reporting only: never again, serving goes on
+                    self._export = None
+                    logger().warning(
+                        "vllm-prefix-guard: cannot export the counters to /metrics (%s); "
+                        "serving continues.",
                         exc,
                     )
             self._last = counters
