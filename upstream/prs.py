@@ -54,6 +54,8 @@ from series import Methods, apply_part, pristine_files, unified_diff, write_patc
 PRS_DIR = HERE / "prs"
 INVALID_BLOCKS_REUSE_TESTS = "tests/v1/kv_connector/unit/test_invalid_blocks_reuse.py"
 FAULT_TESTS = "tests/v1/core/test_fault_prefix_cache.py"
+SCHEDULER_TESTS = "tests/v1/core/test_scheduler.py"
+ASYNC_SCHEDULER_TESTS = "tests/v1/core/test_async_scheduler.py"
 #: results.json's key for every pull request applied at once (``--only combined``).
 COMBINED = "combined"
 RESULTS = PRS_DIR / "results.json"
@@ -84,6 +86,9 @@ class PullRequest:
     tests: tuple[str, ...]
     #: What to run, if not the new files: node IDs of tests the edits add.
     test_ids: tuple[str, ...] = ()
+    #: vLLM's own tests of the code it changes (``--nearby``): outcomes the same on both
+    #: trees but for its own tests.
+    nearby: tuple[str, ...] = ()
 
     @property
     def patch_file(self) -> Path:
@@ -112,6 +117,11 @@ PULL_REQUESTS: tuple[PullRequest, ...] = (
         EVICT_PREEMPTED_BLOCKS,
         (),
         ("tests/v1/core/test_preempted_prefix_cache.py",),
+        nearby=(
+            SCHEDULER_TESTS,
+            PREFIX_CACHING_TESTS,
+            "tests/v1/core/test_preempted_prefix_cache.py",
+        ),
     ),
     PullRequest(
         "kv-events-per-hash",
@@ -131,6 +141,7 @@ PULL_REQUESTS: tuple[PullRequest, ...] = (
             f"{PREFIX_CACHING_TESTS}::test_kv_events_name_a_hash_once_whatever_its_copies",
             f"{PREFIX_CACHING_TESTS}::test_block_stored_names_only_the_blocks_that_cache_a_hash_first",
         ),
+        nearby=(PREFIX_CACHING_TESTS, "tests/v1/core/test_kv_cache_utils.py"),
     ),
     PullRequest(
         "evict-invalid-blocks",
@@ -148,6 +159,20 @@ PULL_REQUESTS: tuple[PullRequest, ...] = (
                 for p in ("invalid_block_idxs0", "invalid_block_idxs1", "invalid_block_idxs2")
             ),
         ),
+        nearby=(
+            INVALID_BLOCKS_REUSE_TESTS,
+            KV_LOAD_TESTS,
+            *(
+                f"tests/v1/kv_connector/unit/test_{name}.py"
+                for name in (
+                    "invalid_blocks_correctness",
+                    "cache_pollution_prevention",
+                    "error_propagation",
+                )
+            ),
+            SCHEDULER_TESTS,
+            ASYNC_SCHEDULER_TESTS,
+        ),
     ),
     PullRequest(
         "evict-faulted-steps",
@@ -158,6 +183,12 @@ PULL_REQUESTS: tuple[PullRequest, ...] = (
         tuple(
             f"{FAULT_TESTS}::test_blocks_of_steps_in_flight_evicted_when_every_request_finishes[{n}]"
             for n in (0, 1)
+        ),
+        nearby=(
+            FAULT_TESTS,
+            SCHEDULER_TESTS,
+            ASYNC_SCHEDULER_TESTS,
+            "tests/v1/fault_tolerance/test_engine_core_sentinel.py",
         ),
     ),
 )
@@ -223,6 +254,37 @@ def run_tests(pr: PullRequest, vllm_tree: Path, env: dict[str, str]) -> dict[str
     }
 
 
+def outcomes(tests: tuple[str, ...], vllm_tree: Path, env: dict[str, str]) -> dict[str, str]:
+    """Node ID -> PASSED, FAILED, ERROR or SKIPPED of ``tests`` in ``vllm_tree``."""
+    done = subprocess.run([*PYTEST, *tests], cwd=vllm_tree, env=env, capture_output=True, text=True)
+    found = {}
+    for line in done.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED") and "::" in rest:
+            found[rest.split(" - ")[0]] = word
+    return found
+
+
+def nearby(pr: PullRequest, vllm_tests: Path, work: Path) -> dict[str, Any]:
+    """vLLM's own tests of what ``pr`` changes on its stock and patched trees: counts per
+    outcome, and the tests whose outcome differs but for its own (any it breaks)."""
+    result: dict[str, Any] = {"files": list(pr.nearby)}
+    seen = {}
+    for name, vllm_tree in build_trees(pr, vllm_tests, work).items():
+        seen[name] = outcomes(pr.nearby, vllm_tree, environment(vllm_tree, work / "hf"))
+        counts: dict[str, int] = {}
+        for word in seen[name].values():
+            counts[word.lower()] = counts.get(word.lower(), 0) + 1
+        result[name] = counts
+    own = set(pr.test_ids) | {t for t in seen["patched"] if t.split("::")[0] in pr.tests}
+    result["differ"] = sorted(
+        t
+        for t in seen["stock"].keys() | seen["patched"].keys()
+        if seen["stock"].get(t) != seen["patched"].get(t) and t not in own
+    )
+    return result
+
+
 def run_fuzz(env: dict[str, str], seeds: int) -> dict[str, dict[str, int]]:
     """The fuzzer in stock mode (the vLLM on the path), every configuration."""
     done = subprocess.run(
@@ -255,6 +317,7 @@ def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str
     """Every pull request's figures, and the fuzz of all of them applied at once
     (``only``: these, the others' and stock's fuzz kept from the last results). Stock
     vLLM is fuzzed once: the stock trees differ in tests alone."""
+    previous = json.loads(RESULTS.read_text())["pull_requests"] if RESULTS.exists() else {}
     last = json.loads(RESULTS.read_text()) if only and RESULTS.exists() else {}
     kept = last.get("pull_requests", {}) if last.get("seeds") == seeds else {}
     results: dict[str, Any] = {"vllm": VERSION, "seeds": seeds, "pull_requests": {}}
@@ -268,6 +331,8 @@ def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str
             "subject": pr.subject,
             "diffstat": tree.patch_stats(pr.patch_file)["files"],
         }
+        if pr.slug in previous and "nearby" in previous[pr.slug]:  # --nearby's, kept
+            entry["nearby"] = previous[pr.slug]["nearby"]
         for name, vllm_tree in trees.items():
             env = environment(vllm_tree, work / "hf")
             tests = run_tests(pr, vllm_tree, env)
@@ -298,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path(".nox/upstream/prs"))
     parser.add_argument("--seeds", type=int, default=3, help="fuzz seeds per configuration")
     parser.add_argument("--only", action="append", default=[], help="prove this one (slug)")
+    parser.add_argument(
+        "--nearby", action="store_true", help="vLLM's own tests of each change, into results"
+    )
     args = parser.parse_args(argv)
     args.work = args.work.resolve()  # the runs' working directories are the trees
     if args.tests_both_ways:
@@ -310,6 +378,17 @@ def main(argv: list[str] | None = None) -> int:
                     failed.append(f"{pr.slug} {name}")
         print("FAILED: " + ", ".join(failed) if failed else "ok")
         return 1 if failed else 0
+    if args.nearby:
+        results = json.loads(RESULTS.read_text())
+        for pr in PULL_REQUESTS:
+            if pr.nearby and (not args.only or pr.slug in args.only):
+                entry = nearby(pr, args.vllm_tests, args.work)
+                results["pull_requests"][pr.slug]["nearby"] = entry
+                print(
+                    f"{pr.slug}: {entry['stock']} -> {entry['patched']}, differ {entry['differ']}"
+                )
+        RESULTS.write_text(json.dumps(results, indent=1))
+        return 0
     if args.prove:
         results = prove(args.vllm_tests, args.work, args.seeds, args.only)
         RESULTS.write_text(json.dumps(results, indent=1))

@@ -359,6 +359,29 @@ FIGURES_EVENTS = (
 )
 
 
+def pr_nearby(entry: dict[str, Any]) -> str:
+    """vLLM's own tests of the code a pull request changes, on both trees."""
+    nearby = entry.get("nearby")
+    if nearby is None:
+        return ""
+
+    def counts(tree: str) -> str:
+        return ", ".join(f"{n} {word}" for word, n in sorted(nearby[tree].items()))
+
+    files = ", ".join(f"`{path.rsplit('/', 1)[1]}`" for path in nearby["files"])
+    differ = nearby["differ"]
+    verdict = (
+        "no outcome differs but its own tests'"
+        if not differ
+        else f"outcomes differ in {', '.join(differ)}"
+    )
+    return (
+        f"vLLM's own tests of the code it changes ({files}; `upstream/prs.py --nearby`): "
+        f"stock {counts('stock')}; patched {counts('patched')}; {verdict} (those failing "
+        "fail on stock vLLM 0.34.0 on this machine, without a GPU, as well). "
+    )
+
+
 def pr_fuzz_table(entry: dict[str, Any]) -> str:
     rows = [
         "| configuration | bad reads: stock / patched | hit tokens: stock / patched "
@@ -419,7 +442,8 @@ def prs_texts(prs: dict[str, Any]) -> tuple[str, dict[Path, str]]:
             f"{GENERATED}\n\n[`{slug}.patch`]({slug}.patch) against vLLM {prs['vllm']} ({size})."
         )
         evidence = (
-            f"Its tests: {pr_tests(entry)}. The project's fuzzer (seeds 0-{prs['seeds'] - 1}, "
+            f"Its tests: {pr_tests(entry)}. {pr_nearby(entry)}"
+            f"The project's fuzzer (seeds 0-{prs['seeds'] - 1}, "
             "every configuration, the guard off, KV events replayed into a set and a "
             f"counting consumer after every step) with this vLLM as stock: {oracle}"
             f"{'; bad reads left in ' + ', '.join(left) if left else ''}.\n\n"
