@@ -9,6 +9,7 @@ there exactly once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -361,8 +362,9 @@ from vllm.v1.core.sched.failed_kv_loads import FailedKVLoads
 #: Part 3, KV events that stay true with several blocks per hash: ``BlockStored`` only
 #: when no other block caches the hash yet, ``BlockRemoved`` only when no block caches
 #: it any more, on every path that adds or removes one.
-#: Part 3's edits that the KV-events pull request makes too (the same text in vLLM
-#: 0.33 and 0.34).
+#: Part 3's edits are the KV-events pull request's: those below as they are (the same
+#: text in vLLM 0.33 and 0.34), the two that register a hash with part 1's
+#: ``request_id=`` added (``_after_part_1``).
 # first_copy_events copies a BlockStored with msgspec.structs.replace.
 _MSGSPEC_IMPORT = Edit(
     BLOCK_POOL,
@@ -421,35 +423,32 @@ _LAST_COPY_REMOVED = Edit(
                 BlockRemoved(""",
 )
 
-KV_EVENTS: tuple[Edit, ...] = (
-    _MSGSPEC_IMPORT,
-    Edit(
-        BLOCK_POOL,
-        """        new_hashes: list[ExternalBlockHash] | None = (
+#: ``cache_full_blocks`` keeps where each new block's hash stands in ``new_hashes``.
+_COPIES_LIST = Edit(
+    BLOCK_POOL,
+    """        new_hashes: list[ExternalBlockHash] | None = (
             [] if self.enable_kv_cache_events else None
         )
-        for i, blk in enumerate(new_full_blocks):
 """,
-        """        new_hashes: list[ExternalBlockHash] | None = (
+    """        new_hashes: list[ExternalBlockHash] | None = (
             [] if self.enable_kv_cache_events else None
         )
         # Position and first copy of each block in new_hashes (first_copy_events).
         copies: list[tuple[int, bool]] = []
-        for i, blk in enumerate(new_full_blocks):
 """,
-    ),
-    Edit(
-        BLOCK_POOL,
-        """            self._insert_block_hash(
+)
+#: ``cache_full_blocks`` notes whether each block caches its hash first.
+_FIRST_COPY_FULL = Edit(
+    BLOCK_POOL,
+    """            self._insert_block_hash(
                 block_hash_with_group_id,
                 blk,
                 num_tokens=num_hash_tokens,
-                request_id=request.request_id,
             )
             if new_hashes is not None:
                 new_hashes.append(maybe_convert_block_hash(block_hash))
 """,
-        """            if new_hashes is not None:
+    """            if new_hashes is not None:
                 new_hashes.append(maybe_convert_block_hash(block_hash))
                 first_copy = (
                     self.cached_block_hash_to_block.get_one_block(
@@ -462,26 +461,20 @@ KV_EVENTS: tuple[Edit, ...] = (
                 block_hash_with_group_id,
                 blk,
                 num_tokens=num_hash_tokens,
-                request_id=request.request_id,
             )
 """,
-    ),
-    _FIRST_COPY_EVENT,
-    Edit(
-        BLOCK_POOL,
-        """            removed_hashes = self._remove_cached_block_hashes(block)
-            self._emit_block_removed_events(removed_hashes)
-        self._insert_block_hash(
+)
+#: ``cache_partial_block`` announces a hash only where no other block caches it.
+_FIRST_COPY_PARTIAL = Edit(
+    BLOCK_POOL,
+    """        self._insert_block_hash(
             block_hash_with_group_id,
             block,
             num_tokens=num_hash_blocks * self.hash_block_size,
-            request_id=request.request_id,
         )
         if self.enable_kv_cache_events and not already_cached:
 """,
-        """            removed_hashes = self._remove_cached_block_hashes(block)
-            self._emit_block_removed_events(removed_hashes)
-        # Announced only where no other block caches the hash yet.
+    """        # Announced only where no other block caches the hash yet.
         first_copy = (
             self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id)
             is None
@@ -490,11 +483,30 @@ KV_EVENTS: tuple[Edit, ...] = (
             block_hash_with_group_id,
             block,
             num_tokens=num_hash_blocks * self.hash_block_size,
-            request_id=request.request_id,
         )
         if self.enable_kv_cache_events and not already_cached and first_copy:
 """,
-    ),
+)
+
+
+def _after_part_1(edit: Edit) -> Edit:
+    """``edit`` on vLLM as part 1 leaves it: every ``_insert_block_hash`` call there also
+    passes the request that registers (``request_id=``)."""
+
+    def add(text: str) -> str:
+        return re.sub(
+            r"( *)(num_tokens=[^\n]*,\n)", r"\1\2\1request_id=request.request_id,\n", text
+        )
+
+    return Edit(edit.path, add(edit.old), add(edit.new))
+
+
+KV_EVENTS: tuple[Edit, ...] = (
+    _MSGSPEC_IMPORT,
+    _COPIES_LIST,
+    _after_part_1(_FIRST_COPY_FULL),
+    _FIRST_COPY_EVENT,
+    _after_part_1(_FIRST_COPY_PARTIAL),
     _LAST_COPY_REMOVED,
 )
 
@@ -654,68 +666,10 @@ PREFIX_CACHING_TESTS = "tests/v1/core/test_prefix_caching.py"
 #: ``BlockRemoved`` when the last one loses it (the pool's methods come from the rules).
 KV_EVENTS_PER_HASH: tuple[Edit, ...] = (
     _MSGSPEC_IMPORT,
-    Edit(
-        BLOCK_POOL,
-        """        new_hashes: list[ExternalBlockHash] | None = (
-            [] if self.enable_kv_cache_events else None
-        )
-""",
-        """        new_hashes: list[ExternalBlockHash] | None = (
-            [] if self.enable_kv_cache_events else None
-        )
-        # Position and first copy of each block in new_hashes (first_copy_events).
-        copies: list[tuple[int, bool]] = []
-""",
-    ),
-    Edit(
-        BLOCK_POOL,
-        """            self._insert_block_hash(
-                block_hash_with_group_id,
-                blk,
-                num_tokens=num_hash_tokens,
-            )
-            if new_hashes is not None:
-                new_hashes.append(maybe_convert_block_hash(block_hash))
-""",
-        """            if new_hashes is not None:
-                new_hashes.append(maybe_convert_block_hash(block_hash))
-                first_copy = (
-                    self.cached_block_hash_to_block.get_one_block(
-                        block_hash_with_group_id
-                    )
-                    is None
-                )
-                copies.append((i, first_copy))
-            self._insert_block_hash(
-                block_hash_with_group_id,
-                blk,
-                num_tokens=num_hash_tokens,
-            )
-""",
-    ),
+    _COPIES_LIST,
+    _FIRST_COPY_FULL,
     _FIRST_COPY_EVENT,
-    Edit(
-        BLOCK_POOL,
-        """        self._insert_block_hash(
-            block_hash_with_group_id,
-            block,
-            num_tokens=num_hash_blocks * self.hash_block_size,
-        )
-        if self.enable_kv_cache_events and not already_cached:
-""",
-        """        # Announced only where no other block caches the hash yet.
-        first_copy = (
-            self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id)
-            is None
-        )
-        self._insert_block_hash(
-            block_hash_with_group_id,
-            block,
-            num_tokens=num_hash_blocks * self.hash_block_size,
-        )
-        if self.enable_kv_cache_events and not already_cached and first_copy:
-""",
-    ),
+    _FIRST_COPY_PARTIAL,
     _LAST_COPY_REMOVED,
     Edit(
         PREFIX_CACHING_TESTS,
