@@ -744,6 +744,15 @@ INVALID_BLOCKS_TESTS = "tests/v1/kv_connector/unit/test_invalid_blocks_correctne
 #: drops its output in flight; the first caches the blocks again.
 INVALID_BLOCKS_EVICTED: tuple[Edit, ...] = (
     Edit(
+        SCHEDULER,
+        """            evict_blocks: Whether to collect blocks for eviction (False for
+                async requests which aren't cached yet).
+""",
+        """            evict_blocks: Whether the requests' blocks are cached and their steps
+                run (False for async loads): evict, cache again, drop output.
+""",
+    ),
+    Edit(
         KV_CACHE_MANAGER,
         """        self.block_pool.evict_blocks(block_ids)
 
