@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,10 +273,7 @@ def nearby(pr: PullRequest, vllm_tests: Path, work: Path) -> dict[str, Any]:
     seen = {}
     for name, vllm_tree in build_trees(pr, vllm_tests, work).items():
         seen[name] = outcomes(pr.nearby, vllm_tree, environment(vllm_tree, work / "hf"))
-        counts: dict[str, int] = {}
-        for word in seen[name].values():
-            counts[word.lower()] = counts.get(word.lower(), 0) + 1
-        result[name] = counts
+        result[name] = dict(Counter(word.lower() for word in seen[name].values()))
     own = set(pr.test_ids) | {t for t in seen["patched"] if t.split("::")[0] in pr.tests}
     result["differ"] = sorted(
         t
@@ -317,8 +315,9 @@ def prove(vllm_tests: Path, work: Path, seeds: int, only: list[str]) -> dict[str
     """Every pull request's figures, and the fuzz of all of them applied at once
     (``only``: these, the others' and stock's fuzz kept from the last results). Stock
     vLLM is fuzzed once: the stock trees differ in tests alone."""
-    previous = json.loads(RESULTS.read_text())["pull_requests"] if RESULTS.exists() else {}
-    last = json.loads(RESULTS.read_text()) if only and RESULTS.exists() else {}
+    saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    previous = saved.get("pull_requests", {})
+    last = saved if only else {}
     kept = last.get("pull_requests", {}) if last.get("seeds") == seeds else {}
     results: dict[str, Any] = {"vllm": VERSION, "seeds": seeds, "pull_requests": {}}
     stock_fuzz = next((entry["stock"]["fuzz"] for entry in kept.values()), None)
