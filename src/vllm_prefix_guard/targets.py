@@ -518,9 +518,10 @@ def _stores(function: Any, depth: int = 0) -> frozenset[str]:
     ``KVCacheCoordinator.__init__`` patch keeps vLLM's constructor that way)."""
     function = inspect.unwrap(function)
     tree = function_tree(function)
-    if tree is None or not tree.args.args:
+    parameters = [] if tree is None else [*tree.args.posonlyargs, *tree.args.args]
+    if tree is None or not parameters:
         return frozenset()
-    this = tree.args.args[0].arg
+    this = parameters[0].arg
     names = {
         node.attr
         for node in ast.walk(tree)
