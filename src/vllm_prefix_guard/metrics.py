@@ -180,28 +180,24 @@ class GuardCollector:
 _registered = False
 
 
-def install() -> bool:
+def install() -> None:
     """Serve the guard's series on ``/metrics`` with one API server: register
     :class:`GuardCollector` on prometheus_client's ``REGISTRY``, the registry vLLM serves
     then (several API servers: :class:`MultiprocessExport`). Once per process; never
-    raises (reporting only).
-
-    Returns:
-        Whether the collector is registered.
+    raises (reporting only): a failure is logged and vLLM serves on without the series.
     """
     global _registered
     directory = run_dir()
     if _registered or directory is None:
-        return _registered
+        return
     try:
         from prometheus_client import REGISTRY
 
         REGISTRY.register(GuardCollector(directory))
     except Exception as exc:  # vLLM serves on without the guard's series
         logger().warning("vllm-prefix-guard: /metrics will not show the guard (%s)", exc)
-        return False
+        return
     _registered = True
-    return True
 
 
 class MultiprocessExport:
