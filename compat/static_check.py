@@ -3,7 +3,7 @@
 
 Before anything is installed: the wheel of ``vllm==X.Y.Z`` is downloaded (``pip download
 --no-deps``, about 240 MB for the GPU wheel, nothing imported, no torch), and every entry
-of the guard's start-up checks (``targets.INTERNALS`` and the four structural checks) is
+of the guard's start-up checks (``targets.INTERNALS`` and the three structural checks) is
 looked up in its Python source with ``ast``, as the start-up check asks the live vLLM:
 does the class define or inherit the method, with which parameters; is the field declared;
 does a constructor in the class or its bases assign the attribute. The same is read from a
@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 from vllm_prefix_guard import targets  # noqa: E402  (stdlib only: no vLLM import)
+from vllm_prefix_guard.patches import PATCHES  # noqa: E402
 from vllm_prefix_guard.versions import TESTED_VLLM  # noqa: E402
 
 WHEELS = ROOT / ".nox" / "vllm-wheels"
@@ -308,22 +309,32 @@ def pool_calls(source: Source, module: str, name: str) -> set[str]:
     return calls
 
 
+def added_names(how: str) -> set[str]:
+    """The class-level names of the guard's own class ``module:Class`` (what a patch of
+    the table adds), read from this repository's source, not imported."""
+    module, _, name = how.partition(":")
+    path = ROOT / "src" / (module.replace(".", "/") + ".py")
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    return class_level(cls)
+
+
+def additions(source: Source) -> Found:
+    """What the patch table adds to vLLM's classes, none of it there already."""
+    clashing = []
+    for patch in PATCHES:
+        if patch.name is not None:
+            continue
+        have: set[str] = set()
+        for _, cls in source.mro(patch.module, patch.owner):
+            have |= class_level(cls) | stored_on_self(functions(cls).get("__init__") or cls)
+        clashing += [f"{patch.owner}.{n}" for n in sorted(added_names(patch.how) & have)]
+    return Found(not clashing, f"already there: {', '.join(clashing)}" if clashing else "")
+
+
 def structural(source: Source) -> dict[str, Found]:
     """The start-up checks beyond the list of internals, read from source."""
     out: dict[str, Found] = {}
-    coordinator = [cls for _, cls in source.mro(targets.COORDINATOR, "KVCacheCoordinator")]
-    assigned = any(
-        "block_pool" in stored_on_self(functions(cls).get("__init__") or cls) for cls in coordinator
-    )
-    out[f"{targets.COORDINATOR}.KVCacheCoordinator.block_pool"] = Found(
-        assigned, "" if assigned else "not assigned by a constructor"
-    )
-    tree = source.module(targets.COORDINATOR)
-    origin = imported_from(tree, targets.COORDINATOR, "BlockPool") if tree else None
-    out[f"{targets.COORDINATOR}.BlockPool"] = Found(
-        origin == (targets.BLOCK_POOL, "BlockPool"),
-        f"imported from {origin[0]}" if origin else "not imported by name",
-    )
     calls = pool_calls(source, targets.SINGLE_TYPE_MANAGER, "MambaManager")
     unknown = sorted(calls - targets.STATE_GROUP_POOL_CALLS.keys())
     out[f"{targets.STATE_GROUP_MANAGER} (pool calls)"] = Found(
@@ -341,6 +352,7 @@ def structural(source: Source) -> dict[str, Found]:
         + (f"; other fields: {', '.join(other)}" if other else ""),
         digest=resumes,
     )
+    out["what the patch table adds (absent from vLLM)"] = additions(source)
     return out
 
 

@@ -46,11 +46,7 @@ def test_a_stored_event_per_copy_leaves_a_counting_router_a_phantom(
     beside ``BlockRemoved`` for the last copy only): once both copies are evicted a
     counting consumer still credits the engine with the key, until ``AllBlocksCleared``."""
 
-    class PerCopy:
-        pass
-
-    monkeypatch.setattr(pool, "FirstCopyStoredEvents", PerCopy)
-    monkeypatch.setattr(pool, "_GUARDED_CLASSES", {})
+    monkeypatch.setattr(pool, "store_first_copies", lambda *args: None)
     plugin.apply()
     shape = layouts.kv_events_eviction_shape()
     assert shape["wrong_after_first"] == (0, 0)

@@ -26,6 +26,7 @@ GUARD = {
     "kvcached_support",
     "log",
     "metrics",
+    "patches",
     "patching",
     "plugin",
     "pool",

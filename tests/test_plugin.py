@@ -20,15 +20,12 @@ from vllm_prefix_guard.diagnostics.factory import make_scheduler
 from vllm_prefix_guard.errors import GuardConfigError, GuardUnsupportedError
 from vllm_prefix_guard.hooks import GUARD_ATTR, guard_of
 from vllm_prefix_guard.log import LOGGER_NAME
+from vllm_prefix_guard.patches import PATCHES
 from vllm_prefix_guard.plugin import ENV_VAR
 
 STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
-#: The scheduler hooks, the pool graft, and what the rules add to vLLM's KVCacheManager.
-PATCHED = {t.path for t in targets.SCHEDULER_HOOKS} | {
-    "KVCacheCoordinator.__setattr__",
-    f"{targets.COORDINATOR}.BlockPool",
-    "KVCacheManager.rewind_num_cached_blocks",
-}
+#: Every row of the patch table, as its start-up log line names it.
+PATCHED = [p.label() for p in PATCHES]
 
 
 @pytest.fixture
@@ -51,7 +48,7 @@ def test_on_values_apply(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     plugin.register()
     # The scheduler and the pool only: /metrics goes through prometheus_client's own
     # channels (test_metrics.py), nothing of vLLM's metrics is patched.
-    assert plugin.is_applied() and set(plugin.applied_targets()) == PATCHED
+    assert plugin.is_applied() and plugin.applied_targets() == PATCHED
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "OFF"])
@@ -224,6 +221,9 @@ def test_undo_restores_stock_vllm() -> None:
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
     assert "__setattr__" not in vars(KVCacheCoordinator)
     assert GUARD_ATTR not in vars(Scheduler)
+    assert BlockPool.__dict__["_insert_block_hash"].__name__ == "_insert_block_hash"
+    assert not hasattr(BlockPool.__dict__["_insert_block_hash"], "__wrapped__")
+    assert "uncommitted_entries" not in vars(BlockPool)
     assert "rewind_num_cached_blocks" not in vars(KVCacheManager)
     assert guard_of(make_scheduler()) is None
 

@@ -20,7 +20,7 @@ from vllm_prefix_guard.diagnostics.pool_index import keys_cached_twice
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.errors import GuardUnsupportedError
 from vllm_prefix_guard.hooks import guard_of
-from vllm_prefix_guard.pool import PrefixGuardPool, graft
+from vllm_prefix_guard.pool import attach
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 
@@ -43,14 +43,14 @@ def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:
 
 
 def guarded_pool(kv_events: bool = False) -> tuple[Any, UncommittedPrefixCache]:
-    """vLLM's real pool of a fresh scheduler, grafted, with the rules driven by hand.
+    """vLLM's real pool of a fresh scheduler, attached, with the rules driven by hand.
 
     The plugin is applied for what the rules call on vLLM's ``KVCacheManager``
     (``rewind_num_cached_blocks``); no scheduler hook runs: nothing is scheduled.
     """
     plugin.apply()
     manager = make_scheduler(num_blocks=16, kv_events=kv_events).kv_cache_manager
-    pool = graft(manager.block_pool)
+    pool = attach(manager.block_pool)
     assert pool is manager.block_pool
     return pool, UncommittedPrefixCache(manager)
 
@@ -187,26 +187,46 @@ def test_a_committed_partial_entry_is_not_lost_to_a_rolled_back_full_key() -> No
     assert pool.guard_removed == 1
 
 
-def test_graft_is_idempotent_and_preserves_identity(guard: None) -> None:
+def test_the_guard_runs_on_vllms_own_pool_object(guard: None) -> None:
+    """The patches sit on vLLM's ``BlockPool`` class: the pool is vLLM's own object, its
+    class unchanged, shared by every manager, and its blocks' weak reference to it (vLLM
+    0.34) still resolves; attaching again keeps its records."""
+    from vllm.v1.core.block_pool import BlockPool
+
     scheduler = make_scheduler()
     pool = scheduler.kv_cache_manager.block_pool
-    assert isinstance(pool, PrefixGuardPool)
-    assert graft(pool) is pool
-    assert type(pool).__mro__[1] is PrefixGuardPool
+    assert type(pool) is BlockPool
+    guard = guard_of(scheduler)
+    assert guard is not None and guard.pool is pool
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     assert all(m.block_pool is pool for m in managers)
-    # vLLM's own pool was moved into the guarded class when assigned: its blocks follow
-    # (vLLM 0.34 holds the pool in a weak reference).
     owners = [b.pool() if isinstance(b.pool, weakref.ref) else b.pool for b in pool.blocks]
     assert all(owner is pool for owner in owners)
+    kept = pool.kept_block_owners
+    assert attach(pool) is pool and pool.kept_block_owners is kept
 
 
-def test_graft_refuses_a_pool_without_the_needed_internals() -> None:
+def test_a_pool_without_the_needed_internals_is_refused() -> None:
     class ForeignPool:
         enable_caching = True
 
     with pytest.raises(GuardUnsupportedError, match="VLLM_PREFIX_GUARD=0"):
-        graft(ForeignPool())
+        attach(ForeignPool())
+
+
+def test_an_override_that_skips_vllms_method_is_refused(guard: None) -> None:
+    """A pool class that registers without going through ``BlockPool``'s wrapped method
+    would escape the guard: the scheduler refuses to start on it."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    class SkippingPool(BlockPool):
+        def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens):  # type: ignore[no-untyped-def]
+            self.cached_block_hash_to_block.insert(block_hash_with_group_id, block)
+
+    pool = make_scheduler().kv_cache_manager.block_pool
+    pool.__class__ = SkippingPool
+    with pytest.raises(GuardUnsupportedError, match="_insert_block_hash calling BlockPool's"):
+        attach(pool)
 
 
 def test_disabled_prefix_caching_gets_no_guard() -> None:
@@ -219,9 +239,9 @@ def test_disabled_prefix_caching_gets_no_guard() -> None:
     assert driver.violations == 0
 
 
-def test_pool_replaced_after_construction_is_grafted(guard: None) -> None:
+def test_pool_replaced_after_construction_is_guarded(guard: None) -> None:
     """kvcached swaps its own pool in after vLLM's coordinator ``__init__``; the guard
-    hooks the assignment, so the replacement is guarded whoever wraps last."""
+    attaches to whatever pool the scheduler's manager holds once it is built."""
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
@@ -246,9 +266,9 @@ def test_pool_replaced_after_construction_is_grafted(guard: None) -> None:
     finally:
         KVCacheCoordinator.__init__ = original_init  # type: ignore[method-assign]
     pool = scheduler.kv_cache_manager.block_pool
-    assert isinstance(pool, ReplacementPool) and isinstance(pool, PrefixGuardPool)
+    assert isinstance(pool, ReplacementPool)
     guard = guard_of(scheduler)
-    assert guard is not None and guard.pool is pool
+    assert guard is not None and guard.pool is pool and pool.guard_attached
 
 
 def test_a_partial_key_registered_again_since_is_not_rolled_back() -> None:

@@ -29,6 +29,8 @@ from vllm_prefix_guard.hooks import GUARD_ATTR
 from vllm_prefix_guard.targets import Internal, Kind
 
 STOCK_SCHEDULER = dict(vars(Scheduler))
+#: The scheduler methods the patch table wraps, as the start-up checks see them.
+SCHEDULER_HOOKS = tuple(i for i in targets.patch_internals() if i.owner == "Scheduler")
 
 
 def _rename_stores(function: Any, name: str, renamed: str) -> Any:
@@ -90,17 +92,23 @@ def test_each_internal_is_checked_before_the_first_patch(
     assert dict(vars(Scheduler)) == STOCK_SCHEDULER  # nothing was patched
 
 
-def test_a_class_level_block_pool_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+def test_a_vllm_with_part_of_what_the_table_adds_stops_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vLLM that has a method of the series' (and not the whole series, which the guard
+    steps aside for) is refused before the first patch, not half-patched."""
+    from vllm.v1.core.block_pool import BlockPool
 
-    monkeypatch.setattr(KVCacheCoordinator, "block_pool", None, raising=False)
-    with pytest.raises(GuardUnsupportedError, match="block_pool is a class attribute"):
+    monkeypatch.setattr(BlockPool, "cache_around_kept_blocks", lambda self: None, raising=False)
+    with pytest.raises(GuardUnsupportedError, match="cache_around_kept_blocks exists already"):
         plugin.apply()
+    assert not plugin.is_applied()
+    assert dict(vars(Scheduler)) == STOCK_SCHEDULER
 
 
 def test_state_group_pool_calls_are_all_reviewed() -> None:
-    """vLLM's MambaManager registers state blocks through the pool methods the mixin
-    overrides; doctor names the calls."""
+    """vLLM's MambaManager registers state blocks through the pool methods the guard
+    wraps; doctor names the calls."""
     calls = targets.check_state_groups()
     assert {"cache_partial_block", "move_block_hashes", "_maybe_evict_cached_block"} <= set(calls)
     [state] = [c for c in run_checks(self_test=False) if "MambaManager" in c.name]
@@ -202,7 +210,7 @@ def test_a_constructor_wrapped_without_functools_wraps_still_passes(
 
 
 def test_wrappers_keep_the_originals_identity_and_doctor_passes_after_apply() -> None:
-    originals = {t.name: Scheduler.__dict__[t.name] for t in targets.SCHEDULER_HOOKS}
+    originals = {t.name: Scheduler.__dict__[t.name] for t in SCHEDULER_HOOKS}
     plugin.apply()
     for name, original in originals.items():
         wrapper = Scheduler.__dict__[name]
@@ -214,7 +222,7 @@ def test_wrappers_keep_the_originals_identity_and_doctor_passes_after_apply() ->
     assert failed == []
 
 
-@pytest.mark.parametrize("hook", targets.SCHEDULER_HOOKS[1:], ids=lambda i: i.name)
+@pytest.mark.parametrize("hook", SCHEDULER_HOOKS[1:], ids=lambda i: i.name)
 def test_wrappers_run_the_original_on_a_scheduler_without_a_guard(
     monkeypatch: pytest.MonkeyPatch, hook: Internal
 ) -> None:

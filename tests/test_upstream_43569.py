@@ -21,7 +21,7 @@ from vllm_prefix_guard.diagnostics.factory import (
 )
 from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.hooks import guard_of
-from vllm_prefix_guard.pool import graft
+from vllm_prefix_guard.pool import attach
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 
@@ -66,7 +66,7 @@ def _hybrid_manager(mode: str) -> tuple[Any, UncommittedPrefixCache | None]:
     )
     if mode != "guard":
         return manager, None
-    graft(manager.block_pool)
+    attach(manager.block_pool)
     return manager, UncommittedPrefixCache(manager)
 
 
@@ -108,13 +108,12 @@ def test_confirmed_registrations_are_not_tracked(
     Registrations made by ``update_from_output`` (0.33) or the async scheduler's output
     path (0.32) happen after the step's output arrived; they must never be rolled back.
     """
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    from vllm_prefix_guard.pool import PrefixGuardPool
 
     inside = {"depth": 0, "outside_records": 0}
     allocate_slots = KVCacheManager.allocate_slots
-    insert_block_hash = PrefixGuardPool._insert_block_hash
+    insert_block_hash = BlockPool._insert_block_hash  # the guard's wrapper
 
     def counting_allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
         inside["depth"] += 1
@@ -131,7 +130,7 @@ def test_confirmed_registrations_are_not_tracked(
         return result
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", counting_allocate_slots)
-    monkeypatch.setattr(PrefixGuardPool, "_insert_block_hash", checking_insert_block_hash)
+    monkeypatch.setattr(BlockPool, "_insert_block_hash", checking_insert_block_hash)
     scheduler = make_scheduler(num_blocks=40, async_scheduling=async_scheduling)
     driver = Driver(scheduler, depth=2 if async_scheduling else 1)
     for i in range(3):

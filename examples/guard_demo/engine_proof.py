@@ -120,9 +120,10 @@ class ScenarioRun:
     #: Per ``schedule()`` call, the requests it preempted (external ids).
     preempted: list[set[str]] = field(default_factory=list)
     async_scheduling: bool = False
-    #: The class names of the scheduler's pool, outermost first (vLLM's, or kvcached's, and
-    #: the guard's on top when it grafted one).
+    #: The class names of the scheduler's pool, outermost first (vLLM's, or kvcached's).
     pool_mro: list[str] = field(default_factory=list)
+    #: Whether a guard attached to that pool (its state on the pool object).
+    pool_guarded: bool = False
     #: The guard's counters for this engine's scheduler, when it had a guard.
     guard_counters: dict[str, int] | None = None
     #: Whether the guard's patches were in place in the engine's process.
@@ -172,6 +173,7 @@ def run_scenario(
         run.async_scheduling = bool(core.vllm_config.scheduler_config.async_scheduling)
         pool = core.scheduler.kv_cache_manager.block_pool
         run.pool_mro = [c.__name__ for c in type(pool).__mro__]
+        run.pool_guarded = bool(getattr(pool, "guard_attached", False))
         trace_preemptions(core.scheduler, run.preempted)
 
         def add(name: str, prompt: list[int], priority: int, max_tokens: int) -> None:

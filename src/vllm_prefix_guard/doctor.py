@@ -46,41 +46,11 @@ class Check:
 
 def run_checks(self_test: bool) -> list[Check]:
     """Every check, in order. The self-test runs only if nothing failed before it."""
-    version = targets.vllm_version()
-    tested = version in TESTED_VLLM_VERSIONS
-    checks = [
-        Check("vllm-prefix-guard", INFO, __version__),
-        Check(
-            "vLLM",
-            OK if version != "unknown" else FAIL,
-            f"{version} ({'tested' if tested else 'not among the tested releases'}: "
-            f"{tested_range()}; the checks below decide)",
-        ),
-    ]
-    entry = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
-    checks.append(
-        Check(
-            "entry point",
-            OK if entry else FAIL,
-            entry[0].value if entry else f"no {ENTRY_POINT_NAME} in {ENTRY_POINT_GROUP}",
-        )
-    )
-    checks.append(_plugin_loader_check())
+    checks = _install_checks()
     activation, guard_on = _activation_checks()
     checks += activation
     checks += _setting_checks(guard_on)
-    native = targets.native_fix()
-    if native.complete:
-        upstream = Check("upstream fix", INFO, f"{native.describe()}: the guard stays out")
-    elif native.partial:
-        upstream = Check(
-            "upstream fix",
-            FAIL,
-            f"partly there ({native.describe()}): the guard refuses to start beside it",
-        )
-    else:
-        upstream = Check("upstream fix", INFO, "none in this vLLM: the guard patches it")
-    checks.append(upstream)
+    checks.append(_upstream_check())
     kvcached = kvcached_support.status()
     refused = kvcached.variant == "legacy" and kvcached.enabled and not kvcached.refuses_vllm
     checks.append(
@@ -90,16 +60,10 @@ def run_checks(self_test: bool) -> list[Check]:
             ("" if guard_on or not refused else _WHEN_ON) + kvcached.describe(),
         )
     )
-    internals_ok = True
-    for what, run in targets.all_checks():
-        try:
-            found = run()
-        except Exception as exc:
-            internals_ok = False
-            checks.append(Check(f"internal {what}", FAIL, str(exc)))
-        else:
-            detail = _state_groups(found) if run is targets.check_state_groups else "present"
-            checks.append(Check(f"internal {what}", OK, detail))
+    checks.append(_patch_table())
+    internals = _internal_checks()
+    checks += internals
+    internals_ok = not any(c.failed for c in internals)
     if internals_ok and kvcached.active and not refused and kvcached.pool_class is not None:
         checks.append(_kvcached_pool_check(kvcached.pool_class, guard_on))
     if self_test:
@@ -108,6 +72,71 @@ def run_checks(self_test: bool) -> list[Check]:
             checks.append(Check("self-test", SKIP, f"not run: {failed} check(s) above failed"))
         else:
             checks.append(_self_test())
+    return checks
+
+
+def _install_checks() -> list[Check]:
+    """The guard's and vLLM's versions, the entry point, and vLLM's plugin loader."""
+    version = targets.vllm_version()
+    tested = version in TESTED_VLLM_VERSIONS
+    entry = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
+    return [
+        Check("vllm-prefix-guard", INFO, __version__),
+        Check(
+            "vLLM",
+            OK if version != "unknown" else FAIL,
+            f"{version} ({'tested' if tested else 'not among the tested releases'}: "
+            f"{tested_range()}; the checks below decide)",
+        ),
+        Check(
+            "entry point",
+            OK if entry else FAIL,
+            entry[0].value if entry else f"no {ENTRY_POINT_NAME} in {ENTRY_POINT_GROUP}",
+        ),
+        _plugin_loader_check(),
+    ]
+
+
+def _upstream_check() -> Check:
+    """Whether this vLLM ships its own fix: whole (the guard stays out), in part (it
+    refuses to start), or not at all."""
+    native = targets.native_fix()
+    if native.complete:
+        return Check("upstream fix", INFO, f"{native.describe()}: the guard stays out")
+    if native.partial:
+        return Check(
+            "upstream fix",
+            FAIL,
+            f"partly there ({native.describe()}): the guard refuses to start beside it",
+        )
+    return Check("upstream fix", INFO, "none in this vLLM: the guard patches it")
+
+
+def _patch_table() -> Check:
+    """What the guard patches, from the patch table (each row's reasons are in
+    docs/design.md's registry)."""
+    from vllm_prefix_guard.patches import PATCHES
+
+    owners = sorted({patch.owner for patch in PATCHES})
+    return Check(
+        "patch table",
+        INFO,
+        f"{len(PATCHES)} patches on vLLM's {', '.join(owners)}, each with its why and its "
+        "removal plan (docs/design.md, patch registry); every target is checked below",
+    )
+
+
+def _internal_checks() -> list[Check]:
+    """The start-up checks (``targets.all_checks``), one by one, failures included."""
+    checks = []
+    for what, run in targets.all_checks():
+        try:
+            found = run()
+        except Exception as exc:
+            checks.append(Check(f"internal {what}", FAIL, str(exc)))
+        else:
+            detail = _state_groups(found) if run is targets.check_state_groups else "present"
+            checks.append(Check(f"internal {what}", OK, detail))
     return checks
 
 
@@ -252,18 +281,15 @@ def _setting_checks(guard_on: bool) -> list[Check]:
 
 
 def _kvcached_pool_check(pool_class: type, guard_on: bool) -> Check:
-    """What the guard checks when it grafts onto the pool kvcached swaps in."""
+    """What the guard checks when it attaches to the pool kvcached swaps in."""
     from vllm_prefix_guard import pool
 
     name = f"kvcached pool {pool_class.__module__}.{pool_class.__qualname__}"
-    missing = pool.missing_pool_internals(pool_class)
     try:
-        if missing:
-            raise targets.unsupported(name, f"has no {', '.join(missing)}")
-        pool.next_implementations(pool_class)
+        pool.check_pool(pool_class)
     except Exception as exc:
         return Check(name, _refusal(guard_on), ("" if guard_on else _WHEN_ON) + str(exc))
-    return Check(name, OK, "the guard can graft onto it")
+    return Check(name, OK, "every registration reaches the guard's BlockPool wrappers")
 
 
 def _self_test() -> Check:

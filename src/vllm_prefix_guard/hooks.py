@@ -1,8 +1,6 @@
 """Scheduler hooks: call each scheduler's :class:`SchedulerGuard` where the series calls the rules.
 
-    Scheduler.__init__              attach a guard (rules over the guarded pool)
-    kv_cache_coordinator.BlockPool  vLLM's coordinator builds its pool guarded
-    KVCacheCoordinator.__setattr__  graft the mixin onto a pool assigned later (kvcached)
+    Scheduler.__init__              attach a guard (the rules over the scheduler's pool)
     Scheduler.schedule              begin the step; end it with the output it returns
     Scheduler._preempt_request      roll back the victim's open-step entries, before free
     Scheduler.update_from_output    roll back failed KV loads first; after it, preempt
@@ -11,10 +9,11 @@
     Scheduler.finish_requests       all at once (fault tolerance): undo the steps in flight
     Scheduler.shutdown              one summary line with the counters, last JSON write
 
-Data flows one way: hook -> guard -> rules -> pool. Each wrapper carries the original's
-name, docstring and ``__wrapped__`` (``functools.wraps``), and on a scheduler without a
-guard (prefix caching off, built before the guard was applied, a stand-in object) runs
-the original and nothing else.
+Why each exists and when it can go: the patch table (:mod:`vllm_prefix_guard.patches`),
+which :func:`install` applies. Data flows one way: hook -> guard -> rules -> pool. Each
+wrapper carries the original's name, docstring and ``__wrapped__`` (``functools.wraps``),
+and on a scheduler without a guard (prefix caching off, built before the guard was
+applied, a stand-in object) runs the original and nothing else.
 """
 
 from __future__ import annotations
@@ -23,25 +22,17 @@ import functools
 import os
 import weakref
 from collections.abc import Callable
-from importlib import import_module
 from typing import Any
 
 from vllm_prefix_guard import metrics
 from vllm_prefix_guard.log import logger
+from vllm_prefix_guard.patches import PATCHES
 from vllm_prefix_guard.patching import PatchRegistry
-from vllm_prefix_guard.pool import GuardedBlockPool, graft
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
-from vllm_prefix_guard.rules.kv_cache_manager import CachedBlockRewind
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 from vllm_prefix_guard.stats import STATS_FILE_ENV, StatsPublisher, stats_file_path
-from vllm_prefix_guard.targets import (
-    COORDINATOR,
-    MANAGER,
-    SCHEDULER,
-    SCHEDULER_HOOKS,
-    resolve,
-)
+from vllm_prefix_guard.targets import resolve
 
 GUARD_ATTR = "_prefix_guard"
 PUBLISHER_ATTR = "_prefix_guard_publisher"
@@ -228,70 +219,13 @@ def wrap_shutdown(original: AnyFn) -> AnyFn:
     return shutdown
 
 
-def wrap_coordinator_setattr(original: AnyFn | None) -> AnyFn:
-    """``KVCacheCoordinator.__setattr__`` that grafts any pool assigned to ``block_pool``.
-
-    vLLM's own pool is built guarded already (:class:`~vllm_prefix_guard.pool.
-    GuardedBlockPool`); hooking the assignment catches any later replacement (kvcached
-    swaps in its pool after vLLM's ``__init__``), whichever wrapper runs last. Reads
-    stay plain attribute loads: a data descriptor would put a Python call on every
-    ``self.block_pool`` in vLLM's hot path, and storing through ``__dict__`` would
-    de-optimise every attribute of the object.
-    """
-    store = original or object.__setattr__
-
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        if name == "block_pool" and getattr(value, "enable_caching", False):
-            value = graft(value)
-        store(self, name, value)
-
-    if original is not None:
-        return functools.wraps(original)(__setattr__)
-    __setattr__.__qualname__ = "KVCacheCoordinator.__setattr__"
-    return __setattr__
-
-
-_WRAPPERS: dict[str, Callable[[AnyFn], AnyFn]] = {
-    "__init__": wrap_init,
-    "schedule": wrap_schedule,
-    "update_from_output": wrap_update_from_output,
-    "_preempt_request": wrap_preempt_request,
-    "reset_prefix_cache": wrap_reset_prefix_cache,
-    "finish_requests": wrap_finish_requests,
-    "shutdown": wrap_shutdown,
-}
-
-
 def install(registry: PatchRegistry) -> list[str]:
-    """Apply every hook through ``registry``; return the patched targets' names."""
-    scheduler_cls = resolve(SCHEDULER, "Scheduler")
+    """Apply every patch of the table through ``registry``; return what each patched, as
+    its start-up log line names it."""
     patched = []
-    for target in SCHEDULER_HOOKS:
-        registry.apply(scheduler_cls, target.name, _WRAPPERS[target.name])
-        patched.append(target.path)
-    coordinator_cls = resolve(COORDINATOR, "KVCacheCoordinator")
-    registry.apply(coordinator_cls, "__setattr__", wrap_coordinator_setattr)
-    patched.append("KVCacheCoordinator.__setattr__")
-    # vLLM's coordinator builds its pool through this name: built guarded.
-    registry.apply(import_module(COORDINATOR), "BlockPool", lambda _: GuardedBlockPool)
-    patched.append(f"{COORDINATOR}.BlockPool")
-    # What the series adds to KVCacheManager, installed as it is written there.
-    manager_cls = resolve(MANAGER, "KVCacheManager")
-    for name, method in vars(CachedBlockRewind).items():
-        if callable(method) and not name.startswith("__"):
-            registry.apply(manager_cls, name, added(method))
-            patched.append(f"KVCacheManager.{name}")
+    for patch in PATCHES:
+        patched.append(patch.apply(registry, resolve(patch.module, patch.owner)))
     return patched
-
-
-def added(method: AnyFn) -> Callable[[AnyFn | None], AnyFn]:
-    """The patch that adds ``method`` where the class had no such attribute."""
-
-    def make(original: AnyFn | None) -> AnyFn:
-        assert original is None, f"{method.__name__} is vLLM's own: the series is installed"
-        return method
-
-    return make
 
 
 def report_counters(guard: SchedulerGuard, publisher: StatsPublisher | None) -> None:

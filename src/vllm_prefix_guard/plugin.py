@@ -88,34 +88,14 @@ def apply() -> list[str]:
     Raises:
         GuardUnsupportedError: an internal is missing or changed; nothing was patched.
     """
-    global _registry, _patched, _skipped_for_upstream
+    global _registry, _patched
     from vllm_prefix_guard import metrics, targets
 
     with _lock:
         if _registry is not None:
             return list(_patched)
-        if _skipped_for_upstream is not None:
+        if _skipped_for_upstream is not None or _steps_aside():
             return []
-        version = targets.vllm_version()
-        native = targets.native_fix()
-        if native.complete:
-            _skipped_for_upstream = native.describe()
-            logger().info(
-                "vllm-prefix-guard %s: vLLM %s already ships its own fix (%s); the guard is "
-                "not applied.",
-                __version__,
-                version,
-                _skipped_for_upstream,
-            )
-            return []
-        if native.partial:
-            raise targets.unsupported(
-                f"vLLM's own prefix-cache rollback ({', '.join(native.present)})",
-                f"is not the whole fix in the shape the guard recognises ({native.describe()}),"
-                " so the guard will neither step aside for it (leaving the rest unguarded) "
-                "nor run beside it",
-                "Install a vLLM with the whole upstream series, or one with none of it.",
-            )
         targets.check_all()
         # After the checks: the rules import vLLM's types when they are imported.
         from vllm_prefix_guard import hooks
@@ -127,15 +107,46 @@ def apply() -> list[str]:
             registry.undo_all()
             raise
         _registry, _patched = registry, patched
-        log = logger()
+        log, version = logger(), targets.vllm_version()
         for name in _patched:
             log.info("vllm-prefix-guard %s: patched %s (vLLM %s)", __version__, name, version)
         metrics.install()
         return list(_patched)
 
 
+def _steps_aside() -> bool:
+    """Whether the installed vLLM ships the whole fix itself (logged once: the guard
+    stays out).
+
+    Raises:
+        GuardUnsupportedError: it has part of a fix, or another shape of it.
+    """
+    global _skipped_for_upstream
+    from vllm_prefix_guard import targets
+
+    native = targets.native_fix()
+    if native.partial:
+        raise targets.unsupported(
+            f"vLLM's own prefix-cache rollback ({', '.join(native.present)})",
+            f"is not the whole fix in the shape the guard recognises ({native.describe()}),"
+            " so the guard will neither step aside for it (leaving the rest unguarded) "
+            "nor run beside it",
+            "Install a vLLM with the whole upstream series, or one with none of it.",
+        )
+    if not native.complete:
+        return False
+    _skipped_for_upstream = native.describe()
+    logger().info(
+        "vllm-prefix-guard %s: vLLM %s already ships its own fix (%s); the guard is not applied.",
+        __version__,
+        targets.vllm_version(),
+        _skipped_for_upstream,
+    )
+    return True
+
+
 def undo() -> None:
-    """Restore stock vLLM in this process (pools already grafted stay inert)."""
+    """Restore stock vLLM in this process (pools keep the guard's state, unused)."""
     global _registry, _patched, _skipped_for_upstream
     with _lock:
         if _registry is not None:

@@ -1,308 +1,95 @@
-"""A mixin grafted onto the scheduler's live ``BlockPool``: what the upstream series adds to it.
+"""What the guard does inside vLLM's ``BlockPool``: the wrappers the patch table installs
+on the class itself, its state, and the check of a pool a guard attaches to.
 
-vLLM's ``BlockHashToBlockMap`` already keeps every physical block registered under a
-key (``key -> {block_id: block}``): concurrent requests that materialise the same prefix
-each own a block under the same ``(block_hash, group_id)``. The mixin keeps that
-multi-block index as the single source of truth and adds what the upstream series adds
-to ``BlockPool`` (``upstream/series.py``), grafted instead of edited in:
+The wrappers sit on vLLM's ``BlockPool`` class (``patches.PATCHES``), so every pool runs
+them: vLLM's own, and a subclass built elsewhere as long as its overrides call
+``BlockPool``'s (kvcached's ``ElasticBlockPool`` does, for every registration:
+:func:`check_pool`). No pool is re-classed or rebuilt, so none loses CPython's inline
+attribute storage (re-classing one costs +1.5% instructions per scheduler step at 256
+running) or its identity (vLLM 0.34's blocks hold a weak reference to their pool).
 
-- *recording*: while ``uncommitted_entries`` holds the open step's record (set by
-  :class:`~vllm_prefix_guard.rules.uncommitted.UncommittedPrefixCache`), every
-  ``(key, block)`` pair that ``_insert_block_hash`` newly adds is appended to it, under
-  the request whose ``cache_full_blocks`` / ``cache_partial_block`` call made it, with
-  the prefix length the key names (the series passes ``request_id`` down instead);
-- *exact removal*: ``remove_uncommitted_entry``, inherited verbatim from
-  :mod:`vllm_prefix_guard.rules.block_pool`, plus one branch only a plugin needs: a pool
-  whose ``evict_blocks`` does more than drop hashes (kvcached's returns the block's
-  physical pages) evicts an unreferenced block through it;
-- *events per hash*: ``BlockRemoved`` for a hash only once no block caches it any more
-  (``uncached_block_hashes``, from the rules), on every path that removes one: vLLM's
-  eviction, partial-to-full promotion and the rules' rollbacks, whichever pool; and with
-  KV events on, ``BlockStored`` only when the first block caches it
-  (:class:`FirstCopyStoredEvents`, ``first_copy_events``).
+Until a scheduler's guard attaches (:func:`attach`), the class-level defaults of
+:class:`PoolState` say no step is open, and every wrapper passes straight through.
 
-It also counts what it recorded and removed, and bumps :attr:`guard_epoch` on every
-successful ``reset_prefix_cache``: the scheduler hooks read these, never the other way.
-vLLM's own pool is built guarded (:class:`GuardedBlockPool` stands for ``BlockPool`` in
-the coordinator's module); a pool built elsewhere and assigned later (kvcached's) is
-grafted in place (:func:`graft`), whatever its class, so the mixin relies on no
-constructor: ``_guard_init_state`` sets its state up.
+Each hot wrapper takes vLLM's exact parameters (the table's, checked on vLLM's method at
+start-up and on the wrapper by ``tests/test_patches.py``) and calls vLLM's function
+directly: one plain frame per call.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_prefix_guard import kvcached_support, targets
-from vllm_prefix_guard.rules.block_pool import (
-    BlockPoolAdditions,
-    StepCacheEntries,
-    UncommittedEntry,
-)
 
-if TYPE_CHECKING:
-    _PoolBase = Any
-else:
-    _PoolBase = object
+AnyFn = Callable[..., Any]
 
 
-class PrefixGuardPool(BlockPoolAdditions, _PoolBase):
-    """Cooperative mixin: every override runs the next implementation (the grafted
-    class's own), passing every argument through."""
+class PoolState:
+    """Class-level defaults the table adds to ``BlockPool`` (:func:`attach` gives a pool
+    its own values)."""
 
-    # The open step's record (None: no step open, or KV already written).
-    uncommitted_entries: StepCacheEntries | None
-    # Request whose cache_*_block call is running; None for pool-driven moves (Mamba CoW).
-    _guard_request_id: str | None
-    # Bumped on every successful reset_prefix_cache (which drops all hashes at once).
-    guard_epoch: int
-    # vLLM's own flag: KV events are published.
-    enable_kv_cache_events: bool
-    # The pool's own evict_blocks does more than drop hashes (kvcached's returns the
-    # block's physical pages): an undone block nobody holds is evicted through it.
-    _guard_evict_releases: bool
-    # Entries recorded; entries removed that were still cached, and that were not.
-    registrations_tracked: int
-    guard_removed: int
-    stale_entries_skipped: int
-    # The grafted class's own implementation of each targets.FORWARDED method (graft() binds
-    # them per guarded class, as static functions called with the pool).
-    _next_cache_full_blocks: Callable[..., Any]
-    _next_cache_partial_block: Callable[..., Any]
-    _next_insert_block_hash: Callable[..., Any]
-    _next_emit_block_removed_events: Callable[..., Any]
-
-    def _guard_init_state(self) -> None:
-        self.uncommitted_entries = None
-        self._guard_request_id = None
-        self.guard_epoch = 0
-        self.registrations_tracked = self.guard_removed = self.stale_entries_skipped = 0
-        self.kept_block_owners = set()
-        native = targets.resolve(targets.BLOCK_POOL, "BlockPool").evict_blocks
-        self._guard_evict_releases = type(self).evict_blocks is not native
-
-    # -- recording -------------------------------------------------------------------
-
-    def cache_full_blocks(
-        self,
-        request: Any,
-        blocks: Any,
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        kv_cache_group_id: int,
-        block_mask: Any = None,
-    ) -> Any:
-        if self.kept_block_owners and self.cache_around_kept_blocks(
-            request,
-            blocks,
-            num_cached_blocks,
-            num_full_blocks,
-            block_size,
-            kv_cache_group_id,
-            block_mask,
-        ):
-            return None  # blocks a failed load's rollback kept (the series' part 2)
-        if self.uncommitted_entries is None:
-            return self._next_cache_full_blocks(
-                self,
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                block_mask,
-            )
-        self._guard_request_id = request.request_id
-        try:
-            return self._next_cache_full_blocks(
-                self,
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                block_mask,
-            )
-        finally:
-            self._guard_request_id = None
-
-    def cache_partial_block(
-        self,
-        request: Any,
-        block: Any,
-        num_tokens: int,
-        kv_cache_group_id: int,
-        block_size: int,
-        replace_existing_hashes: bool = False,
-    ) -> Any:
-        if self.uncommitted_entries is None:
-            return self._next_cache_partial_block(
-                self,
-                request,
-                block,
-                num_tokens,
-                kv_cache_group_id,
-                block_size,
-                replace_existing_hashes,
-            )
-        self._guard_request_id = request.request_id
-        try:
-            return self._next_cache_partial_block(
-                self,
-                request,
-                block,
-                num_tokens,
-                kv_cache_group_id,
-                block_size,
-                replace_existing_hashes,
-            )
-        finally:
-            self._guard_request_id = None
-
-    def _insert_block_hash(
-        self, block_hash_with_group_id: Any, block: Any, num_tokens: int | None
-    ) -> Any:
-        entries = self.uncommitted_entries
-        if entries is None:
-            return self._next_insert_block_hash(self, block_hash_with_group_id, block, num_tokens)
-        key = block_hash_with_group_id
-        # vLLM's own test for "already registered" (equality), asked before it acts: an
-        # unhashed block is in no entry yet (every removal path clears all of its keys).
-        held = block.block_hash
-        is_new = held is None or (
-            held != key and not self.cached_block_hash_to_block.contain(key, block.block_id)
-        )
-        result = self._next_insert_block_hash(self, key, block, num_tokens)
-        if is_new:
-            # num_tokens: the prefix length the key names (which tokens' KV it must hold).
-            request_entries = entries.get(self._guard_request_id)
-            if request_entries is None:
-                entries[self._guard_request_id] = [(key, block, num_tokens)]
-            else:
-                request_entries.append((key, block, num_tokens))
-            self.registrations_tracked += 1
-        return result
-
-    def _emit_block_removed_events(self, block_hashes: Any) -> Any:
-        # A hash another block still caches is not removed (the series' part 3).
-        if block_hashes and self.enable_kv_cache_events:
-            block_hashes = self.uncached_block_hashes(block_hashes)
-        return self._next_emit_block_removed_events(self, block_hashes)
-
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
-        reset = super().reset_prefix_cache(*args, **kwargs)
-        if reset:
-            self.guard_epoch += 1
-        return reset
-
-    # -- removal ---------------------------------------------------------------------
-
-    def remove_uncommitted_entry(self, entry: UncommittedEntry) -> bool:
-        key, block, _ = entry
-        if block.block_hash is key and block.ref_cnt == 0 and self._guard_evict_releases:
-            self.evict_blocks({block.block_id})
-            removed = True
-        else:
-            removed = super().remove_uncommitted_entry(entry)
-        if removed:
-            self.guard_removed += 1
-        else:
-            self.stale_entries_skipped += 1
-        return removed
-
-
-class FirstCopyStoredEvents:
-    """With KV events on: ``BlockStored`` only for a hash no other block caches (the series'
-    part 3, ``first_copy_events``), as ``BlockRemoved`` only for the last copy. Outermost
-    in the guarded class's MRO: each override runs the guarded pool's own (``super()``)
-    and rewrites the events it queued."""
-
-    kv_event_queue: list[Any]
-    cached_block_hash_to_block: Any
-    # ``(num_tokens, first copy)`` of each block the running ``cache_*`` call inserts.
+    #: The open step's record (``StepCacheEntries``); None: no step open.
+    uncommitted_entries: Any = None
+    #: (request ID, group) of loaders rewound below blocks that kept their entry.
+    kept_block_owners: Any = frozenset()
+    #: The request whose ``cache_*_block`` call is running; None for pool-driven moves
+    #: (a copy-on-write move of a Mamba checkpoint).
+    _guard_request_id: str | None = None
+    #: KV events are published and a guard is attached: events name hashes, not blocks.
+    _guard_events = False
+    #: ``(num_tokens, first copy)`` of each block the running ``cache_*`` call inserts,
+    #: while ``_guard_events``.
     _guard_copies: list[tuple[int, bool]] | None = None
+    #: A scheduler's guard attached to the pool (:func:`attach`).
+    guard_attached = False
+    #: Entries recorded; entries removed that were still cached, and that were not.
+    registrations_tracked = 0
+    guard_removed = 0
+    stale_entries_skipped = 0
 
-    def cache_full_blocks(
-        self,
-        request: Any,
-        blocks: Any,
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        kv_cache_group_id: int,
-        block_mask: Any = None,
-    ) -> Any:
-        queue = self.kv_event_queue
-        queued = len(queue)
-        outer, self._guard_copies = self._guard_copies, []
-        try:
-            result = super().cache_full_blocks(  # type: ignore[misc]
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                block_mask,
-            )
-        finally:
-            copies, self._guard_copies = self._guard_copies, outer
-        if (
-            copies
-            and not all(first for _, first in copies)
-            and len(queue) > queued
-            and type(queue[-1]).__name__ == "BlockStored"
-        ):
-            stored = queue.pop()
-            positions = [(n // block_size - 1 - num_cached_blocks, first) for n, first in copies]
-            queue.extend(BlockPoolAdditions.first_copy_events(stored, positions))
-        return result
 
-    def cache_partial_block(
-        self,
-        request: Any,
-        block: Any,
-        num_tokens: int,
-        kv_cache_group_id: int,
-        block_size: int,
-        replace_existing_hashes: bool = False,
-    ) -> Any:
-        queue = self.kv_event_queue
-        queued = len(queue)
-        outer, self._guard_copies = self._guard_copies, []
-        try:
-            result = super().cache_partial_block(  # type: ignore[misc]
-                request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
-            )
-        finally:
-            copies, self._guard_copies = self._guard_copies, outer
-        if (
-            copies
-            and not copies[-1][1]
-            and len(queue) > queued
-            and type(queue[-1]).__name__ == "BlockStored"
-        ):
-            queue.pop()  # its one BlockStored: another block caches the hash
-        return result
+def attach(pool: Any) -> Any:
+    """Give ``pool`` its own state (a guard attaches to it); returns ``pool``.
 
-    def _insert_block_hash(
-        self, block_hash_with_group_id: Any, block: Any, num_tokens: int | None
-    ) -> Any:
-        copies = self._guard_copies
-        if copies is not None:
-            first = self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id) is None
-            copies.append((num_tokens or 0, first))
-        return super()._insert_block_hash(  # type: ignore[misc]
-            block_hash_with_group_id, block, num_tokens
+    Raises:
+        GuardUnsupportedError: the pool is one the guard cannot follow (:func:`check_pool`).
+    """
+    check_pool(pool)
+    # Attributes only, never ``vars(pool)``: on CPython 3.11 reading an object's
+    # ``__dict__`` moves its inline attributes into a dict for good, and every later
+    # attribute access of vLLM's to the pool gets slower.
+    if not pool.guard_attached:
+        pool.uncommitted_entries = None
+        pool.kept_block_owners = set()
+        pool.registrations_tracked = pool.guard_removed = pool.stale_entries_skipped = 0
+        pool._guard_events = bool(pool.enable_kv_cache_events)
+        pool.guard_attached = True
+    return pool
+
+
+def check_pool(pool: Any) -> None:
+    """Refuse a pool (or pool class) the wrappers would not see every registration of: one
+    that lacks what they use, or overrides a wrapped method without calling it.
+
+    Raises:
+        GuardUnsupportedError: naming what is missing, and kvcached's variants where it is
+            kvcached's pool.
+    """
+    cls = pool if isinstance(pool, type) else type(pool)
+    missing = missing_pool_internals(pool)
+    if not missing:
+        missing = [f"{n} calling BlockPool's" for n in overrides_not_calling(cls)]
+    if missing:
+        raise targets.unsupported(
+            f"the KV-cache block pool {cls.__module__}.{cls.__qualname__}",
+            f"has no {', '.join(missing)}",
+            kvcached_support.refusal_hint(cls),
         )
-
-
-_GUARDED_CLASSES: dict[tuple[type, bool], type] = {}
 
 
 def missing_pool_internals(pool: Any) -> list[str]:
@@ -329,92 +116,206 @@ def missing_pool_internals(pool: Any) -> list[str]:
     return missing
 
 
-def next_implementations(base: type) -> dict[str, staticmethod[..., Any]]:
-    """``_next_<name>`` -> ``base``'s own implementation of each method in
-    :data:`targets.FORWARDED`.
+def overrides_not_calling(cls: type) -> list[str]:
+    """Wrapped ``BlockPool`` methods that ``cls`` resolves to an override of a class above
+    vLLM's, which does not call a method of that name (read from its source):
+    registrations there would not reach the wrapper."""
+    from vllm_prefix_guard.patches import BLOCK_POOL, PATCHES
 
-    Raises:
-        GuardUnsupportedError: one of them takes other parameters than FORWARDED names
-            (the override forwards exactly those).
-    """
-    bound: dict[str, staticmethod[..., Any]] = {}
-    for name, parameters in targets.FORWARDED.items():
-        implementation = getattr(base, name)
-        taken = tuple(inspect.signature(implementation).parameters)[1:]
-        if taken != parameters:
-            raise targets.unsupported(
-                f"{base.__module__}.{base.__qualname__}.{name}",
-                f"takes ({', '.join(taken)}), not ({', '.join(parameters)})",
-                kvcached_support.refusal_hint(base),
+    vllm_pool = targets.resolve(BLOCK_POOL, "BlockPool")
+    names = [p.name for p in PATCHES if p.module == BLOCK_POOL and p.name is not None]
+    escaping = []
+    for name in names:
+        owner = next(k for k in cls.__mro__ if name in vars(k) or k is vllm_pool)
+        if owner is vllm_pool:
+            continue
+        tree = targets.function_tree(inspect.unwrap(vars(owner)[name]))
+        if tree is None or not any(
+            isinstance(node, ast.Call) and getattr(node.func, "attr", None) == name
+            for node in ast.walk(tree)
+        ):
+            escaping.append(name)
+    return escaping
+
+
+# -- the wrappers (each takes vLLM's function and returns the replacement) -------------
+
+
+def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
+    @functools.wraps(original)
+    def cache_full_blocks(
+        self: Any,
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Any = None,
+    ) -> Any:
+        if self.kept_block_owners and self.cache_around_kept_blocks(
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        ):
+            return None  # blocks a failed load's rollback kept (the series' part 2)
+        queue = self.kv_event_queue if self._guard_events else None
+        if queue is not None:
+            queued, self._guard_copies = len(queue), []
+        self._guard_request_id = request.request_id
+        try:
+            result = original(
+                self,
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
             )
-        bound[f"_next_{name.lstrip('_')}"] = staticmethod(implementation)
-    return bound
+        finally:
+            self._guard_request_id = None
+            if queue is not None:
+                copies, self._guard_copies = self._guard_copies, None
+        if queue is not None and len(queue) > queued:
+            store_first_copies(self, queue, copies, num_cached_blocks, block_size)
+        return result
+
+    return cache_full_blocks
 
 
-def guarded_class(base: Any, kv_events: bool) -> type:
-    """``PrefixGuarded<Base>``: the mixin over ``base``, built once per base and events
-    setting, so ``__mro__`` reads ``PrefixGuarded<Base> -> PrefixGuardPool ->
-    BlockPoolAdditions -> <Base> -> ...``.
+def store_first_copies(
+    pool: Any, queue: list[Any], copies: Any, num_cached_blocks: int, block_size: int
+) -> None:
+    """Rewrite the ``BlockStored`` a ``cache_*`` call queued last so that it names only
+    the blocks that are their hash's first copy (the series' part 3); ``copies`` as
+    :attr:`PoolState._guard_copies` holds them."""
+    if not copies or all(first for _, first in copies):
+        return
+    if type(queue[-1]).__name__ != "BlockStored":
+        return
+    stored = queue.pop()
+    positions = [(n // block_size - 1 - num_cached_blocks, first) for n, first in copies]
+    queue.extend(pool.first_copy_events(stored, positions))
 
-    With KV events off nothing is emitted: the class keeps the pool's own emitter, and
-    eviction (several calls a step) pays no override.
 
-    Raises:
-        GuardUnsupportedError: a forwarded method of ``base`` takes other parameters.
-    """
-    guarded = _GUARDED_CLASSES.get((base, kv_events))
-    if guarded is None:
-        namespace: dict[str, Any] = {"__module__": __name__, **next_implementations(base)}
-        bases: tuple[type, ...] = (PrefixGuardPool, base)
-        if kv_events:
-            bases = (FirstCopyStoredEvents, *bases)
+def wrap_cache_partial_block(original: AnyFn) -> AnyFn:
+    @functools.wraps(original)
+    def cache_partial_block(
+        self: Any,
+        request: Any,
+        block: Any,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Any:
+        queue = self.kv_event_queue if self._guard_events else None
+        if queue is not None:
+            queued, self._guard_copies = len(queue), []
+        self._guard_request_id = request.request_id
+        try:
+            result = original(
+                self,
+                request,
+                block,
+                num_tokens,
+                kv_cache_group_id,
+                block_size,
+                replace_existing_hashes,
+            )
+        finally:
+            self._guard_request_id = None
+            if queue is not None:
+                copies, self._guard_copies = self._guard_copies, None
+        if (
+            queue is not None
+            and copies
+            and not copies[-1][1]
+            and len(queue) > queued
+            and type(queue[-1]).__name__ == "BlockStored"
+        ):
+            queue.pop()  # its one BlockStored: another block caches the hash
+        return result
+
+    return cache_partial_block
+
+
+def wrap_insert_block_hash(original: AnyFn) -> AnyFn:
+    @functools.wraps(original)
+    def _insert_block_hash(
+        self: Any, block_hash_with_group_id: Any, block: Any, num_tokens: int | None
+    ) -> Any:
+        entries = self.uncommitted_entries
+        copies = self._guard_copies
+        if entries is None and copies is None:
+            return original(self, block_hash_with_group_id, block, num_tokens)
+        key = block_hash_with_group_id
+        if copies is not None:
+            first = self.cached_block_hash_to_block.get_one_block(key) is None
+            copies.append((num_tokens or 0, first))
+        # Whether vLLM made an entry is read from what it did: a block without a hash
+        # got this one as its primary, a hashed block one more secondary hash.
+        held = block.block_hash
+        if held is None:
+            result = original(self, key, block, num_tokens)
+            is_new = block.block_hash is not None
         else:
-            namespace["_emit_block_removed_events"] = base._emit_block_removed_events
+            secondary = self.cached_block_hashes_by_block.get(block.block_id)
+            known = len(secondary) if secondary else 0
+            result = original(self, key, block, num_tokens)
+            secondary = self.cached_block_hashes_by_block.get(block.block_id)
+            is_new = secondary is not None and len(secondary) > known
+        if is_new and entries is not None:
+            # num_tokens: the prefix length the key names (which tokens' KV it must hold).
+            request_entries = entries.get(self._guard_request_id)
+            if request_entries is None:
+                entries[self._guard_request_id] = [(key, block, num_tokens)]
+            else:
+                request_entries.append((key, block, num_tokens))
+            self.registrations_tracked += 1
+        return result
 
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            base.__init__(self, *args, **kwargs)
-            self._guard_init_state()
-
-        namespace["__init__"] = __init__
-        guarded = type(f"PrefixGuarded{base.__name__}", bases, namespace)
-        _GUARDED_CLASSES[(base, kv_events)] = guarded
-    return guarded
-
-
-class GuardedBlockPool:
-    """What vLLM's coordinator builds in place of ``BlockPool`` while the guard is on
-    (``hooks`` binds it as ``kv_cache_coordinator.BlockPool``): the guarded class of
-    vLLM's own pool, for the events setting asked for. The pool is born guarded, so no
-    class is ever reassigned on it: CPython 3.11 turns an object's inline attributes
-    into a dict when its ``__class__`` is reassigned, which slows every later access of
-    vLLM's to it (measured: +1.5% instructions per scheduler step at 256 running).
-    """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        base = targets.resolve(targets.BLOCK_POOL, "BlockPool")
-        kv_events = bool(kwargs.get("enable_kv_cache_events", False))
-        return guarded_class(base, kv_events)(*args, **kwargs)
+    return _insert_block_hash
 
 
-def graft(pool: Any) -> Any:
-    """Make a pool built elsewhere a :class:`PrefixGuardPool` (kvcached's replacement,
-    assigned after vLLM's coordinator built its own); idempotent; returns ``pool``.
+def wrap_emit_block_removed_events(original: AnyFn) -> AnyFn:
+    @functools.wraps(original)
+    def _emit_block_removed_events(self: Any, block_hashes: Any) -> Any:
+        # A hash another block still caches is not removed (the series' part 3).
+        if block_hashes and self._guard_events:
+            block_hashes = self.uncached_block_hashes(block_hashes)
+        return original(self, block_hashes)
 
-    Its class is swapped in place: others may hold it already, so its identity is kept.
+    return _emit_block_removed_events
 
-    Raises:
-        GuardUnsupportedError: the pool lacks an internal the guard relies on.
-    """
-    if isinstance(pool, PrefixGuardPool):
-        return pool
-    base = type(pool)
-    missing = missing_pool_internals(pool)
-    if missing:
-        raise targets.unsupported(
-            f"the KV-cache block pool {base.__module__}.{base.__qualname__}",
-            f"has no {', '.join(missing)}",
-            kvcached_support.refusal_hint(base),
-        )
-    pool.__class__ = guarded_class(base, bool(getattr(pool, "enable_kv_cache_events", False)))
-    pool._guard_init_state()
-    return pool
+
+def wrap_remove_uncommitted_entry(original: AnyFn) -> AnyFn:
+    native_evict_blocks = targets.resolve(targets.BLOCK_POOL, "BlockPool").evict_blocks
+
+    @functools.wraps(original)
+    def remove_uncommitted_entry(self: Any, entry: Any) -> bool:
+        key, block, _ = entry
+        if (
+            block.block_hash is key
+            and block.ref_cnt == 0
+            and type(self).evict_blocks is not native_evict_blocks
+        ):
+            # The pool's own evict_blocks frees more than hashes (kvcached's returns the
+            # block's pages): an undone block nobody holds goes through it.
+            self.evict_blocks({block.block_id})
+            removed = True
+        else:
+            removed = original(self, entry)
+        if removed:
+            self.guard_removed += 1
+        else:
+            self.stale_entries_skipped += 1
+        return removed
+
+    return remove_uncommitted_entry

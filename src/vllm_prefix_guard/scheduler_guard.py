@@ -3,7 +3,7 @@
 :class:`SchedulerGuard` is what the scheduler hooks (:mod:`vllm_prefix_guard.hooks`)
 call into. Each of its methods stands for one call the upstream series adds to vLLM's
 ``Scheduler`` (``upstream/series.py``) and runs the same rule of
-:mod:`vllm_prefix_guard.rules`; around it, it counts what the rule did, from the grafted
+:mod:`vllm_prefix_guard.rules`; around it, it counts what the rule did, from the
 pool's counters, for ``/metrics`` and the shutdown line. It decides nothing the series
 does not.
 
@@ -18,14 +18,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm_prefix_guard.log import logger
-from vllm_prefix_guard.pool import PrefixGuardPool, graft
+from vllm_prefix_guard.pool import attach
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.stats import GuardStats
 
 
 class SchedulerGuard:
-    """The rules of one scheduler over its grafted pool, and their counters."""
+    """The rules of one scheduler over its pool, and their counters."""
 
     def __init__(
         self,
@@ -35,11 +35,11 @@ class SchedulerGuard:
     ) -> None:
         manager = scheduler.kv_cache_manager
         self.scheduler = scheduler
-        self.pool: PrefixGuardPool = graft(manager.block_pool)  # normally guarded already
+        # vLLM's BlockPool with the table's patches (or a subclass that calls them).
+        self.pool: Any = attach(manager.block_pool)
         self.rules = UncommittedPrefixCache(manager) if rules is None else rules
         self.rollback_class = rollback_class
         self.stats = GuardStats()
-        self._epoch = self.pool.guard_epoch
         self._recorded = self.pool.registrations_tracked
 
     # -- the calls the series places in Scheduler -------------------------------------
@@ -109,10 +109,10 @@ class SchedulerGuard:
                 self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
 
     def prefix_cache_reset(self) -> None:
-        """After ``Scheduler.reset_prefix_cache``: drop every record if the pool did reset
-        (the scheduler's own result also reflects the connector's reset)."""
-        if self.pool.guard_epoch != self._epoch:
-            self._epoch = self.pool.guard_epoch
+        """After ``Scheduler.reset_prefix_cache``: drop every record if the pool caches
+        nothing now (it did reset; the scheduler's own result also reflects the
+        connector's reset). With no entry left, no record names a live one."""
+        if not len(self.pool.cached_block_hash_to_block):
             self.rules.reset()
 
     # -- what operators read ------------------------------------------------------------

@@ -26,14 +26,12 @@ from functools import partial
 from typing import Any
 
 from vllm_prefix_guard.errors import DISABLE_HINT, GuardUnsupportedError
+from vllm_prefix_guard.patches import BLOCK_POOL, MANAGER, PATCHES, SCHEDULER
 from vllm_prefix_guard.patching import PATCH_MARKER, is_guard_patch
 
-SCHEDULER = "vllm.v1.core.sched.scheduler"
 SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
-MANAGER = "vllm.v1.core.kv_cache_manager"
 SINGLE_TYPE_MANAGER = "vllm.v1.core.single_type_kv_cache_manager"
-BLOCK_POOL = "vllm.v1.core.block_pool"
 KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
 OUTPUTS = "vllm.v1.outputs"
 REQUEST = "vllm.v1.request"
@@ -90,60 +88,26 @@ def _attributes(module: str, owner: str, used_by: str, *names: str) -> tuple[Int
     return tuple(Internal(module, f"{owner}.{n}", Kind.ATTRIBUTE, used_by) for n in names)
 
 
-_HOOK = "scheduler hook"
-_POOL = "pool mixin"
+_PATCHED = "patched (the patch table)"
+_POOL = "pool wrappers"
 _LOAD = "KV-load failure rollback"
 _STALE = "output dropped of readers of bad KV vLLM preempted"
 
-#: Scheduler methods the guard wraps (each logged once when patched).
-SCHEDULER_HOOKS: tuple[Internal, ...] = (
-    _callable(SCHEDULER, "Scheduler.__init__", _HOOK),
-    _callable(SCHEDULER, "Scheduler.schedule", _HOOK),
-    _callable(
-        SCHEDULER, "Scheduler.update_from_output", _HOOK, "scheduler_output", "model_runner_output"
-    ),
-    _callable(
-        SCHEDULER, "Scheduler._preempt_request", _HOOK, "request", "timestamp", "drop_stale_output"
-    ),
-    _callable(SCHEDULER, "Scheduler.reset_prefix_cache", _HOOK),
-    _callable(SCHEDULER, "Scheduler.finish_requests", _HOOK, "request_ids", "finished_status"),
-    _callable(SCHEDULER, "Scheduler.shutdown", _HOOK),
-)
 
-#: What the pool mixin overrides or calls. Checked on vLLM's ``BlockPool`` at start-up
-#: and again, by name, on the live pool it is grafted onto (a replacement such as
-#: kvcached's may lack what vLLM's has).
-#: The pool methods the mixin overrides on the hot path, with exactly the parameters vLLM
-#: 0.30-0.33 give them: the overrides take and forward them by name, so a call costs one
-#: plain frame (no ``*args``/``**kwargs`` packing, no ``super()`` object), and any other
-#: signature stops start-up (checked here, and on the live pool's class when grafting).
-FORWARDED: dict[str, tuple[str, ...]] = {
-    "cache_full_blocks": (
-        "request",
-        "blocks",
-        "num_cached_blocks",
-        "num_full_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        "block_mask",
-    ),
-    "cache_partial_block": (
-        "request",
-        "block",
-        "num_tokens",
-        "kv_cache_group_id",
-        "block_size",
-        "replace_existing_hashes",
-    ),
-    "_insert_block_hash": ("block_hash_with_group_id", "block", "num_tokens"),
-    "_emit_block_removed_events": ("block_hashes",),
-}
+def patch_internals() -> tuple[Internal, ...]:
+    """The vLLM methods the patch table wraps, each with the parameters its replacement
+    names (exactly, where it forwards them one by one)."""
+    return tuple(
+        Internal(patch.module, patch.path, Kind.CALLABLE, _PATCHED, patch.params, patch.exact)
+        for patch in PATCHES
+        if patch.name is not None and not patch.wraps_addition
+    )
 
+
+#: What the pool wrappers call or read besides the methods they wrap. Checked on vLLM's
+#: ``BlockPool`` at start-up and again, by name, on the live pool a guard attaches to (a
+#: replacement such as kvcached's may lack what vLLM's has).
 POOL_INTERNALS: tuple[Internal, ...] = (
-    *(
-        Internal(BLOCK_POOL, f"BlockPool.{name}", Kind.CALLABLE, _POOL, params, exact=True)
-        for name, params in FORWARDED.items()
-    ),
     _callable(BLOCK_POOL, "BlockPool.move_block_hashes", _POOL, "src_block", "dst_block"),
     _callable(BLOCK_POOL, "BlockPool._remove_cached_block_hashes", _POOL, "block"),
     _callable(BLOCK_POOL, "BlockPool.reset_prefix_cache", _POOL),
@@ -160,6 +124,7 @@ POOL_INTERNALS: tuple[Internal, ...] = (
     _callable(BLOCK_POOL, "BlockHashToBlockMap.contain", _POOL, "key", "block_id"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.get_one_block", _POOL, "key"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key", "block_id"),
+    _callable(BLOCK_POOL, "BlockHashToBlockMap.__len__", _POOL),
     *_fields(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_id", "ref_cnt", "is_null"),
     *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash", "block_hash_num_tokens"),
 )
@@ -168,6 +133,9 @@ POOL_INTERNALS: tuple[Internal, ...] = (
 #: manager state the rewind of cached-block counts rewrites.
 RARE_PATH_INTERNALS: tuple[Internal, ...] = (
     *_attributes(SCHEDULER, "Scheduler", _LOAD, "running", "kv_cache_manager"),
+    _callable(
+        SCHEDULER, "Scheduler._preempt_request", _LOAD, "request", "timestamp", "drop_stale_output"
+    ),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
     _callable(KV_CACHE_UTILS, "get_group_id", _LOAD, "key"),
@@ -227,7 +195,7 @@ RULES_IMPORTS: tuple[Internal, ...] = tuple(
 
 #: The one list: everything :func:`check_all` verifies before the first patch.
 INTERNALS: tuple[Internal, ...] = (
-    SCHEDULER_HOOKS + POOL_INTERNALS + RARE_PATH_INTERNALS + RULES_IMPORTS
+    patch_internals() + POOL_INTERNALS + RARE_PATH_INTERNALS + RULES_IMPORTS
 )
 
 #: The modules vLLM's own fix adds (upstream/series/).
@@ -540,39 +508,14 @@ def _stores(function: Any, depth: int = 0) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_coordinator() -> Any:
-    """The coordinator class whose ``block_pool`` assignment the guard intercepts
-    (through ``__setattr__``: a class-level ``block_pool`` would bypass it)."""
-    internal = Internal(COORDINATOR, "KVCacheCoordinator.block_pool", Kind.ATTRIBUTE, _POOL)
-    coordinator = resolve(COORDINATOR, "KVCacheCoordinator")
-    if "block_pool" in vars(coordinator):
-        raise unsupported(internal.qualname, "is a class attribute, not per instance")
-    if not has_instance_attribute(coordinator, "block_pool"):
-        raise unsupported(internal.qualname, "is no longer assigned by the constructor")
-    return coordinator
-
-
-def check_coordinator_pool_class() -> Any:
-    """The name the coordinator builds its pool with is vLLM's ``BlockPool`` (the guard
-    has it build the guarded subclass instead; a class another plugin put there would be
-    silently bypassed)."""
-    built = resolve(COORDINATOR, "BlockPool")
-    if built is not resolve(BLOCK_POOL, "BlockPool") and not is_guard_patch(built):
-        raise unsupported(
-            f"{COORDINATOR}.BlockPool",
-            f"is {getattr(built, '__qualname__', built)!r}, not vLLM's BlockPool",
-        )
-    return built
-
-
 #: Everything vLLM's ``MambaManager`` (the state groups of hybrid models: Mamba, GDN and
 #: other linear-attention layers, whose per-block recurrent state is cached in ``align``
 #: mode) does to the pool, read from its source, and why the guard stays exact with it.
 #: A pool method outside this list stops start-up: it could register, move or drop a
 #: state block's hash where the guard's records would not follow.
 STATE_GROUP_POOL_CALLS: dict[str, str] = {
-    "cache_partial_block": "registers a state block (the mixin records it, re-keys included)",
-    "move_block_hashes": "moves hashes to a copy-on-write block (the mixin follows moves)",
+    "cache_partial_block": "registers a state block (recorded, re-keys included)",
+    "move_block_hashes": "moves hashes to a copy-on-write block (records follow)",
     "_maybe_evict_cached_block": "drops a hash (vLLM's removal path: the index and events "
     "follow, a record left behind is skipped as stale)",
     "get_cached_block": "looks a prefix up",
@@ -653,15 +596,42 @@ def check_resumes() -> str:
     return "new"
 
 
+_ABSENT = object()
+
+
+def check_additions() -> tuple[str, ...]:
+    """What the patch table adds to vLLM's classes, none of it there already (the rules'
+    imports are checked before this runs: it imports them).
+
+    Raises:
+        GuardUnsupportedError: vLLM has one of them (and not the whole series, for which
+            the guard steps aside before any check).
+    """
+    added = []
+    for patch in PATCHES:
+        if patch.name is not None:
+            continue
+        owner = resolve(patch.module, patch.owner)
+        for name, value in patch.members().items():
+            present = inspect.getattr_static(owner, name, _ABSENT)
+            theirs = present is not _ABSENT and present is not value
+            if theirs and not is_guard_patch(present):
+                raise unsupported(
+                    f"{patch.module}.{patch.owner}.{name}",
+                    "exists already: vLLM carries part of the fix the guard would add",
+                )
+            added.append(f"{patch.owner}.{name}")
+    return tuple(added)
+
+
 def all_checks() -> list[tuple[str, Callable[[], object]]]:
     """Every start-up check as ``(what it checks, run)``; ``run`` raises
     :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
     return [
         *((internal.qualname, partial(check, internal)) for internal in INTERNALS),
-        (f"{COORDINATOR}.KVCacheCoordinator.block_pool", check_coordinator),
-        (f"{COORDINATOR}.BlockPool", check_coordinator_pool_class),
         (f"{STATE_GROUP_MANAGER} (pool calls)", check_state_groups),
         (f"{CACHED_REQUEST_DATA} (resumed requests)", check_resumes),
+        ("what the patch table adds (absent from vLLM)", check_additions),
     ]
 
 

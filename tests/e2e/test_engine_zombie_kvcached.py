@@ -88,15 +88,11 @@ def test_every_engine_ran_on_the_pool_it_should(runs: dict[str, ScenarioRun]) ->
     for mode, run in runs.items():
         if WITH_KVCACHED:
             assert "ElasticBlockPool" in run.pool_mro, (mode, run.pool_mro)
-        guarded = "PrefixGuardPool" in run.pool_mro
+        guarded = run.pool_guarded
         assert guarded == (mode == "guarded") == run.guard_applied, (mode, run.pool_mro)
     if WITH_KVCACHED:
-        assert runs["guarded"].pool_mro[:4] == [
-            "PrefixGuardedElasticBlockPool",
-            "PrefixGuardPool",
-            "BlockPoolAdditions",
-            "ElasticBlockPool",
-        ]
+        # kvcached's pool keeps its class: its overrides call vLLM's wrapped methods.
+        assert runs["guarded"].pool_mro[0] == "ElasticBlockPool"
 
 
 def test_scenario_runs_as_laid_out(runs: dict[str, ScenarioRun]) -> None:

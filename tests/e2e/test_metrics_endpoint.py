@@ -329,7 +329,7 @@ def test_vllm_metric_set_is_the_same_with_the_guard_on_and_off(observed: Observe
 def test_each_engine_core_logs_one_patch_line_per_target_and_writes_its_own_files(
     observed: Observed,
 ) -> None:
-    from vllm_prefix_guard.targets import SCHEDULER_HOOKS
+    from vllm_prefix_guard.patches import PATCHES
 
     log = observed.guarded.log_text().splitlines()
     patched: dict[str, list[str]] = {}
@@ -339,7 +339,7 @@ def test_each_engine_core_logs_one_patch_line_per_target_and_writes_its_own_file
             patched.setdefault(match["pid"], []).append(match["target"])
             process_of[match["pid"]] = match["process"]
     assert len(patched) == observed.setup.engines, process_of
-    expected = {t.path for t in SCHEDULER_HOOKS} | {"KVCacheCoordinator.__setattr__"}
+    expected = {p.path for p in PATCHES if p.name is not None}
     for pid, targets in patched.items():
         assert len(targets) == len(set(targets)), (pid, targets)  # one line per target
         assert expected <= set(targets), (pid, sorted(expected - set(targets)))

@@ -69,19 +69,26 @@ class Audit:
 
     @staticmethod
     def install_recorder() -> None:
-        from vllm_prefix_guard.pool import PrefixGuardPool
+        """Wrap the guard's ``_insert_block_hash`` wrapper (its factory, so that every
+        later ``plugin.apply()`` installs the recording one)."""
+        from vllm_prefix_guard import pool as guard_pool
 
-        insert_block_hash = PrefixGuardPool._insert_block_hash
+        wrap = guard_pool.wrap_insert_block_hash
 
-        def recording(pool: Any, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
-            recorded = pool.registrations_tracked
-            result = insert_block_hash(pool, key, block, *args, **kwargs)
-            audit = Audit.current
-            if audit is not None and pool.registrations_tracked != recorded:
-                audit.recorded.append((key, block.block_id))
-            return result
+        def recording_wrap(original: Any) -> Any:
+            insert_block_hash = wrap(original)
 
-        PrefixGuardPool._insert_block_hash = recording  # type: ignore[method-assign]
+            def recording(pool: Any, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
+                recorded = pool.registrations_tracked
+                result = insert_block_hash(pool, key, block, *args, **kwargs)
+                audit = Audit.current
+                if audit is not None and pool.registrations_tracked != recorded:
+                    audit.recorded.append((key, block.block_id))
+                return result
+
+            return recording
+
+        guard_pool.wrap_insert_block_hash = recording_wrap
 
     def report(self) -> dict[str, Any]:
         pairs = list(zip(self.inserted_open, self.recorded, strict=False))
@@ -114,7 +121,7 @@ def pool_info(scheduler: Any) -> dict[str, Any]:
     from vllm.v1.core import block_pool as bp
 
     from vllm_prefix_guard.hooks import guard_of
-    from vllm_prefix_guard.pool import PrefixGuardPool
+    from vllm_prefix_guard.patching import is_guard_patch
 
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
@@ -124,11 +131,13 @@ def pool_info(scheduler: Any) -> dict[str, Any]:
         "pool_mro": [c.__name__ for c in type(pool).__mro__],
         "is_elastic": elastic is not None and isinstance(pool, elastic),
         "native_mixin": kvcached_cpu.native_mixin(type(pool)),
-        "grafted": isinstance(pool, PrefixGuardPool),
+        # Its registrations reach the guard's wrappers on vLLM's BlockPool, and a
+        # guard attached to it.
+        "guarded": is_guard_patch(vars(bp.BlockPool)["_insert_block_hash"]) and pool.guard_attached,
         "has_guard": guard_of(scheduler) is not None,
         "shared": pool is manager.coordinator.block_pool
         and all(m.block_pool is pool for m in manager.coordinator.single_type_managers),
-        "evict_releases": getattr(pool, "_guard_evict_releases", None),
+        "evict_releases": type(pool).evict_blocks is not bp.BlockPool.evict_blocks,
     }
 
 

@@ -17,7 +17,7 @@ otherwise make the guarded run silently stock).
 
 ``--prefix-guard-report PATH`` writes a JSON file: the mode, the patched targets, each
 test's outcome, wall and CPU time, and (guarded) the node ids of the tests during which
-the guard attached itself to a scheduler or grafted a block pool, i.e. the tests that
+the guard attached itself to a scheduler (and its pool), i.e. the tests that
 exercised it.
 """
 
@@ -38,7 +38,6 @@ _outcomes: dict[str, str] = {}
 # Per test: [wall seconds, CPU seconds of this process] over setup, call and teardown.
 _times: dict[str, list[float]] = {}
 _guards_attached = 0
-_pools_grafted = 0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -104,11 +103,11 @@ def _expect_guard() -> bool:
 
 
 def _count_guard_use() -> None:
-    """Count schedulers given a guard and block pools guarded (built guarded by vLLM's
-    coordinator, or grafted later), by wrapping what the guard calls for that."""
-    from vllm_prefix_guard import hooks, pool
+    """Count schedulers given a guard (a pool no guard attached to runs vLLM's own code:
+    the guard's wrappers on ``BlockPool`` pass every call through)."""
+    from vllm_prefix_guard import hooks
 
-    attach_guard, guarded_class = hooks.attach_guard, pool.guarded_class
+    attach_guard = hooks.attach_guard
 
     def counting_attach_guard(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         global _guards_attached
@@ -116,13 +115,7 @@ def _count_guard_use() -> None:
         _guards_attached += guard is not None
         return guard
 
-    def counting_guarded_class(*args: Any, **kwargs: Any) -> Any:
-        global _pools_grafted
-        _pools_grafted += 1
-        return guarded_class(*args, **kwargs)
-
     hooks.attach_guard = counting_attach_guard
-    pool.guarded_class = counting_guarded_class
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -158,7 +151,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    used_before = (_guards_attached, _pools_grafted)
+    used_before = _guards_attached
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         return (yield)
@@ -167,7 +160,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             round(time.perf_counter() - wall, 3),
             round(time.process_time() - cpu, 3),
         ]
-        if (_guards_attached, _pools_grafted) != used_before:
+        if _guards_attached != used_before:
             _exercised.add(item.nodeid)
 
 
@@ -207,7 +200,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "guard_state_ok": plugin.is_applied() == expected,
             "patched_targets": plugin.applied_targets(),
             "guards_attached": _guards_attached,
-            "pools_grafted": _pools_grafted,
             "exercised": sorted(_exercised),
             "outcomes": _outcomes,
             "times": _times,

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"   {len(diff['unexpected'])} unexpected, {len(diff['justified'])} expected "
         f"differences, {len(diff['fixed'])} fixed; the guard was exercised (a guard "
-        f"attached or a pool grafted) in {exercised['guard']} tests"
+        f"attached to a scheduler and its pool) in {exercised['guard']} tests"
     )
     summary = {
         "vllm": version,
