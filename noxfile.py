@@ -20,7 +20,10 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
-from vllm_prefix_guard.versions import TEST_ENV, TESTED_VLLM  # noqa: E402
+sys.path.insert(0, str(ROOT / "compat"))
+from environment import TEST_ENV  # noqa: E402
+
+from vllm_prefix_guard.versions import TESTED_VLLM  # noqa: E402
 
 nox.options.default_venv_backend = "virtualenv"
 

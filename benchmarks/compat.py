@@ -50,7 +50,9 @@ from typing import Any
 # Standard library only, but for the project's own (stdlib-only) record helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from vllm_prefix_guard.diagnostics.records import portable_command, portable_path
-from vllm_prefix_guard.versions import BREAKS_VLLM_IMPORT, TEST_ENV
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "compat"))
+from environment import BREAKS_VLLM_IMPORT, TEST_ENV
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

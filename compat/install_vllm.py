@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
-from vllm_prefix_guard.versions import BREAKS_VLLM_IMPORT  # noqa: E402
+from environment import BREAKS_VLLM_IMPORT  # noqa: E402
 
 #: pip's words for a pinned requirement the index has no distribution of.
 MISSING_PIN = re.compile(

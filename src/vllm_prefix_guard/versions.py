@@ -1,5 +1,5 @@
-"""The vLLM releases the guard is tested on: data the code, the README and the noxfile share,
-with how the project installs and runs them (``noxfile.py``, ``benchmarks/compat.py``).
+"""The vLLM releases the guard is tested on: data the code, the README and the noxfile share
+(how the project installs and runs them is ``compat/environment.py``, outside the wheel).
 
 Which vLLM the guard *applies* to is decided by capability checks (``targets``), never by
 these strings; they only say what the project's CI proves, so ``doctor`` can tell an
@@ -19,20 +19,6 @@ TESTED_VLLM: dict[str, str] = {
 }
 
 TESTED_VLLM_VERSIONS = tuple(TESTED_VLLM)
-
-#: Removed right after a vLLM is installed: the package index's builds of these break
-#: ``import vllm`` next to the CPU torch wheel.
-BREAKS_VLLM_IMPORT = ("torchvision", "torchaudio", "torchcodec")
-
-#: The environment the project runs vLLM in for its tests, fuzz runs and release checks:
-#: offline, a 1 GiB CPU KV cache, quiet tokenizers, and a fixed hash seed (vLLM's
-#: scheduling order follows it; fuzz runs must replay exactly).
-TEST_ENV: dict[str, str] = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONHASHSEED": "0",
-}
 
 
 def tested_range() -> str:

@@ -52,7 +52,8 @@ sys.path.insert(0, str(HERE))
 
 from hub_cache import write_hub_cache  # noqa: E402
 
-from vllm_prefix_guard.versions import TEST_ENV  # noqa: E402
+sys.path.insert(0, str(HERE.parent.parent / "compat"))
+from environment import TEST_ENV  # noqa: E402
 
 FAILED = ("failed", "error")
 ENV = {
