@@ -163,12 +163,21 @@ def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
             block_mask,
         ):
             return None  # blocks a failed load's rollback kept (the series' part 2)
-        queue = self.kv_event_queue if self._guard_events else None
-        if queue is not None:
-            queued, self._guard_copies = len(queue), []
+        if self._guard_events:
+            return cache_full_blocks_with_events(
+                self,
+                original,
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            )
         self._guard_request_id = request.request_id
         try:
-            result = original(
+            return original(
                 self,
                 request,
                 blocks,
@@ -180,13 +189,44 @@ def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
             )
         finally:
             self._guard_request_id = None
-            if queue is not None:
-                copies, self._guard_copies = self._guard_copies, None
-        if queue is not None and len(queue) > queued:
-            store_first_copies(self, queue, copies, num_cached_blocks, block_size)
-        return result
 
     return cache_full_blocks
+
+
+def cache_full_blocks_with_events(
+    pool: Any,
+    original: AnyFn,
+    request: Any,
+    blocks: Any,
+    num_cached_blocks: int,
+    num_full_blocks: int,
+    block_size: int,
+    kv_cache_group_id: int,
+    block_mask: Any,
+) -> Any:
+    """``cache_full_blocks`` with KV events on: the call's ``BlockStored`` names only the
+    blocks that are their hash's first copy. Apart, so that the events-off path (the
+    common one) pays none of it."""
+    queue = pool.kv_event_queue
+    queued, pool._guard_copies = len(queue), []
+    pool._guard_request_id = request.request_id
+    try:
+        result = original(
+            pool,
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        )
+    finally:
+        pool._guard_request_id = None
+        copies, pool._guard_copies = pool._guard_copies, None
+    if len(queue) > queued:
+        store_first_copies(pool, queue, copies, num_cached_blocks, block_size)
+    return result
 
 
 def store_first_copies(
@@ -255,30 +295,30 @@ def wrap_insert_block_hash(original: AnyFn) -> AnyFn:
         copies = self._guard_copies
         if entries is None and copies is None:
             return original(self, block_hash_with_group_id, block, num_tokens)
-        key = block_hash_with_group_id
         if copies is not None:
-            first = self.cached_block_hash_to_block.get_one_block(key) is None
-            copies.append((num_tokens or 0, first))
+            first = self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id)
+            copies.append((num_tokens or 0, first is None))
         # Whether vLLM made an entry is read from what it did: a block without a hash
         # got this one as its primary, a hashed block one more secondary hash.
-        held = block.block_hash
-        if held is None:
-            result = original(self, key, block, num_tokens)
-            is_new = block.block_hash is not None
+        if block.block_hash is None:
+            result = original(self, block_hash_with_group_id, block, num_tokens)
+            if block.block_hash is None or entries is None:
+                return result
         else:
             secondary = self.cached_block_hashes_by_block.get(block.block_id)
             known = len(secondary) if secondary else 0
-            result = original(self, key, block, num_tokens)
+            result = original(self, block_hash_with_group_id, block, num_tokens)
             secondary = self.cached_block_hashes_by_block.get(block.block_id)
-            is_new = secondary is not None and len(secondary) > known
-        if is_new and entries is not None:
-            # num_tokens: the prefix length the key names (which tokens' KV it must hold).
-            request_entries = entries.get(self._guard_request_id)
-            if request_entries is None:
-                entries[self._guard_request_id] = [(key, block, num_tokens)]
-            else:
-                request_entries.append((key, block, num_tokens))
-            self.registrations_tracked += 1
+            if secondary is None or len(secondary) == known or entries is None:
+                return result
+        # num_tokens: the prefix length the key names (which tokens' KV it must hold).
+        entry = (block_hash_with_group_id, block, num_tokens)
+        request_entries = entries.get(self._guard_request_id)
+        if request_entries is None:
+            entries[self._guard_request_id] = [entry]
+        else:
+            request_entries.append(entry)
+        self.registrations_tracked += 1
         return result
 
     return _insert_block_hash
