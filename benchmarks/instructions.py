@@ -6,9 +6,14 @@ scheduler calls. Those go through ``operator.call`` (the C function ``_operator_
 which callgrind collects inside (``--toggle-collect``), so the shadow-KV worker and the
 bookkeeping are not counted; instrumentation is switched on only after warm-up.
 
-Deterministic (``PYTHONHASHSEED=0``; repeated runs agree to 0.01%), so it answers whether
-the guard adds 1% or 5% to the scheduler's work. Instructions are not time (cache misses
-are not counted), but the scheduler is interpreter-bound and the two move together.
+Reproducible: ``PYTHONHASHSEED=0``, and address-space randomisation off (``setarch -R``)
+where the machine has ``setarch``: the same command counts the same to 0.001%. Not free of
+memory layout, though: where objects land moves dict and set probing and the allocator's
+paths, so one column run under another name (``stock`` and ``stock#2``) or from another
+source tree counts up to 0.4% apart (2026-12-06, vLLM 0.32). To compare the guard's Python
+work across trees, ``bytecodes.py`` counts what does not move.
+Instructions are not time (cache misses are not counted), but the scheduler is
+interpreter-bound and the two move together.
 
 Two subcommands::
 
@@ -36,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,8 +67,10 @@ DEFAULT_CELL = "256-fcfs-nopressure-sync"
 #: The guard grafted, its rules idle (see the module docstring).
 GRAFT = "graft"
 DEFAULT_COLUMNS = (*COLUMNS, GRAFT)
+#: Address-space randomisation off for the process callgrind runs (see the module docstring).
+NO_ASLR = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
 CALLGRIND = [
-    "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+    *NO_ASLR, "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
     "--toggle-collect=_operator_call",
 ]  # fmt: skip
 

@@ -62,3 +62,32 @@ def test_a_short_cell_times_every_column_on_the_harness(bench: Any, tmp_path: Pa
     text, _ = report.render(tmp_path)
     rows = [line for line in text.splitlines() if line.startswith(f"| {cell.name} | guard |")]
     assert len(rows) == 1 and rows[0].endswith(" | 17/17 |")
+
+
+def test_bytecode_counts_repeat_exactly_and_name_the_guards_functions(bench: Any) -> None:
+    """``bytecodes.py``: the same column counts the same in one process and the next
+    (memory layout does not enter), and the guard's bytecodes are told apart by function."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    command = [
+        sys.executable, str(BENCHMARKS / "bytecodes.py"), "--cell", "16-fcfs-pressure-sync",
+        "--warmup", "8", "--steps", "3",
+    ]  # fmt: skip
+    counts = []
+    for column in ("stock", "stock", "guard"):
+        done = subprocess.run(
+            [*command, "--one", column],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=BENCHMARKS,
+            env=env,
+        )
+        counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    stock, again, guard = counts
+    assert stock == again and set(stock["by_function"]) == {"vllm"}
+    assert guard["trajectory"] == stock["trajectory"]
+    assert guard["bytecodes_per_step"] > stock["bytecodes_per_step"]
+    assert any(name.startswith("pool.py:") for name in guard["by_function"])
