@@ -214,6 +214,16 @@ def test_a_pool_without_the_needed_internals_is_refused() -> None:
         attach(ForeignPool())
 
 
+def test_a_pool_that_is_no_block_pool_is_refused(guard: None) -> None:
+    """A class with every method and field of vLLM's ``BlockPool`` but not derived from
+    it never runs the wrappers on ``BlockPool``: refused with the names, not passed."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    imitation = type("Imitation", (), dict(vars(BlockPool)))
+    with pytest.raises(GuardUnsupportedError, match="_insert_block_hash calling BlockPool's"):
+        attach(imitation)
+
+
 def test_an_override_that_skips_vllms_method_is_refused(guard: None) -> None:
     """A pool class that registers without going through ``BlockPool``'s wrapped method
     would escape the guard: the scheduler refuses to start on it."""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_prefix_guard import kvcached_support, targets
+from vllm_prefix_guard.patches import BLOCK_POOL, PATCHES
 
 AnyFn = Callable[..., Any]
 
@@ -119,11 +120,12 @@ def missing_pool_internals(pool: Any) -> list[str]:
 def overrides_not_calling(cls: type) -> list[str]:
     """Wrapped ``BlockPool`` methods that ``cls`` resolves to an override of a class above
     vLLM's, which does not call a method of that name (read from its source):
-    registrations there would not reach the wrapper."""
-    from vllm_prefix_guard.patches import BLOCK_POOL, PATCHES
-
+    registrations there would not reach the wrapper. A class that is no ``BlockPool``
+    never reaches the wrappers at all: every wrapped name."""
     vllm_pool = targets.resolve(BLOCK_POOL, "BlockPool")
     names = [p.name for p in PATCHES if p.module == BLOCK_POOL and p.name is not None]
+    if vllm_pool not in cls.__mro__:
+        return names
     escaping = []
     for name in names:
         owner = next(k for k in cls.__mro__ if name in vars(k) or k is vllm_pool)
