@@ -34,12 +34,14 @@ HERE = Path(__file__).resolve().parent
 
 class OpcodeCounter:
     """Counts opcode events of every Python frame started inside :meth:`call`, in all and
-    per function of the guard (``vllm`` for everything else)."""
+    per function of the guard (``vllm`` for everything else), and the frames started."""
 
     def __init__(self) -> None:
         self.by_function: collections.Counter[str] = collections.Counter()
+        self.frames = 0
 
     def _frame(self, frame: Any, event: str, arg: Any) -> Any:
+        self.frames += 1
         frame.f_trace_opcodes = True
         frame.f_trace_lines = False
         path = frame.f_code.co_filename
@@ -86,6 +88,7 @@ def count(cell_name: str, column: str, warmup: int, steps: int) -> dict[str, Any
     by_function = {k: v // steps for k, v in counter.by_function.most_common()}
     return {
         "bytecodes_per_step": sum(counter.by_function.values()) // steps,
+        "frames_per_step": counter.frames // steps,
         "trajectory": trajectory,
         "by_function": by_function,
     }
@@ -116,7 +119,10 @@ def main() -> int:
     for column in args.columns.split(","):
         entry = results[column]
         entry["ratio"] = round(entry["bytecodes_per_step"] / reference, 4)
-        print(f"  {column}: {entry['bytecodes_per_step']:,} bytecodes/step (x{entry['ratio']:.4f})")
+        print(
+            f"  {column}: {entry['bytecodes_per_step']:,} bytecodes/step (x{entry['ratio']:.4f}),"
+            f" {entry['frames_per_step']:,} frames/step"
+        )
         for name, per_step in list(entry["by_function"].items())[1:6]:
             print(f"      {per_step:>9,}  {name}")
     if args.out is not None:

@@ -221,8 +221,8 @@ def test_undo_restores_stock_vllm() -> None:
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
     assert "__setattr__" not in vars(KVCacheCoordinator)
     assert GUARD_ATTR not in vars(Scheduler)
-    assert BlockPool.__dict__["_insert_block_hash"].__name__ == "_insert_block_hash"
-    assert not hasattr(BlockPool.__dict__["_insert_block_hash"], "__wrapped__")
+    assert BlockPool.__dict__["cache_full_blocks"].__name__ == "cache_full_blocks"
+    assert not hasattr(BlockPool.__dict__["cache_full_blocks"], "__wrapped__")
     assert "uncommitted_entries" not in vars(BlockPool)
     assert "rewind_num_cached_blocks" not in vars(KVCacheManager)
     assert guard_of(make_scheduler()) is None

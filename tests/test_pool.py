@@ -220,7 +220,7 @@ def test_a_pool_that_is_no_block_pool_is_refused(guard: None) -> None:
     from vllm.v1.core.block_pool import BlockPool
 
     imitation = type("Imitation", (), dict(vars(BlockPool)))
-    with pytest.raises(GuardUnsupportedError, match="_insert_block_hash calling BlockPool's"):
+    with pytest.raises(GuardUnsupportedError, match="cache_full_blocks calling BlockPool's"):
         attach(imitation)
 
 
@@ -230,12 +230,13 @@ def test_an_override_that_skips_vllms_method_is_refused(guard: None) -> None:
     from vllm.v1.core.block_pool import BlockPool
 
     class SkippingPool(BlockPool):
-        def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens):  # type: ignore[no-untyped-def]
-            self.cached_block_hash_to_block.insert(block_hash_with_group_id, block)
+        def move_block_hashes(self, src_block, dst_block):  # type: ignore[no-untyped-def]
+            dst_block.block_hash = src_block.block_hash
+            self.cached_block_hash_to_block.insert(dst_block.block_hash, dst_block)
 
     pool = make_scheduler().kv_cache_manager.block_pool
     pool.__class__ = SkippingPool
-    with pytest.raises(GuardUnsupportedError, match="_insert_block_hash calling BlockPool's"):
+    with pytest.raises(GuardUnsupportedError, match="move_block_hashes calling BlockPool's"):
         attach(pool)
 
 

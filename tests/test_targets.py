@@ -245,3 +245,39 @@ def test_wrappers_run_the_original_on_a_scheduler_without_a_guard(
         assert calls == [(stand_in, *arguments)]
     finally:
         plugin.undo()  # before monkeypatch restores vLLM's method under the wrapper
+
+
+def _callers_of(attribute: str) -> set[str]:
+    """``module:function`` of every function in vLLM's ``v1`` package whose source calls
+    a method named ``attribute``."""
+    import ast
+    import pathlib
+
+    import vllm.v1
+
+    root = pathlib.Path(vllm.v1.__file__).parent
+    callers = set()
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if any(
+                isinstance(node, ast.Call) and getattr(node.func, "attr", None) == attribute
+                for node in ast.walk(function)
+            ):
+                callers.add(f"{path.relative_to(root).with_suffix('')}:{function.name}")
+    return callers
+
+
+def test_every_registration_goes_through_a_wrapped_method() -> None:
+    """The pool wrappers record what ``cache_full_blocks``, ``cache_partial_block`` and
+    ``move_block_hashes`` register, not ``_insert_block_hash``: pinned on each tested
+    release, every other caller of it is vLLM's CPU offloading tier, on its own pool
+    (``cpu_block_pool``), which no guard attaches to."""
+    assert _callers_of("_insert_block_hash") == {
+        "core/block_pool:cache_full_blocks",
+        "core/block_pool:cache_partial_block",
+        "core/block_pool:move_block_hashes",
+        "simple_kv_offload/manager:_process_store_completion",
+    }

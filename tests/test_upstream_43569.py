@@ -108,12 +108,13 @@ def test_confirmed_registrations_are_not_tracked(
     Registrations made by ``update_from_output`` (0.33) or the async scheduler's output
     path (0.32) happen after the step's output arrived; they must never be rolled back.
     """
-    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vllm_prefix_guard import pool as guard_pool
 
     inside = {"depth": 0, "outside_records": 0}
     allocate_slots = KVCacheManager.allocate_slots
-    insert_block_hash = BlockPool._insert_block_hash  # the guard's wrapper
+    record_entries = guard_pool.record_entries  # every wrapper records through it
 
     def counting_allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
         inside["depth"] += 1
@@ -122,15 +123,13 @@ def test_confirmed_registrations_are_not_tracked(
         finally:
             inside["depth"] -= 1
 
-    def checking_insert_block_hash(self: Any, *args: Any, **kwargs: Any) -> Any:
-        recorded = self.registrations_tracked
-        result = insert_block_hash(self, *args, **kwargs)
-        if self.registrations_tracked != recorded and not inside["depth"]:
+    def checking_record_entries(pool: Any, request_id: Any, new: list[Any]) -> None:
+        if pool.uncommitted_entries is not None and not inside["depth"]:
             inside["outside_records"] += 1
-        return result
+        record_entries(pool, request_id, new)
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", counting_allocate_slots)
-    monkeypatch.setattr(BlockPool, "_insert_block_hash", checking_insert_block_hash)
+    monkeypatch.setattr(guard_pool, "record_entries", checking_record_entries)
     scheduler = make_scheduler(num_blocks=40, async_scheduling=async_scheduling)
     driver = Driver(scheduler, depth=2 if async_scheduling else 1)
     for i in range(3):

@@ -102,9 +102,10 @@ PATCHES: tuple[Patch, ...] = (
         BLOCK_POOL,
         "BlockPool.cache_full_blocks",
         f"{_POOL}:wrap_cache_full_blocks",
-        why="the entries _insert_block_hash records belong to the request whose blocks are "
-        "cached; blocks a failed load's rollback kept are cached around; with KV events, "
-        "BlockStored only for a hash's first block",
+        why="every full block it gives a hash is a new (key, block) entry of the request's "
+        "step, recorded so that the exact pair can be removed (another block may cache the "
+        "same key: kvcached #401/#402); blocks a failed load's rollback kept are cached "
+        "around; with KV events, BlockStored only for a hash's first block",
         upstream=f"{_PART_1}, {_PART_2}, {_PART_3}; PR kv-events-per-hash",
         remove_when="vLLM carries the series (PR kv-events-per-hash for the events)",
         params=(
@@ -122,7 +123,8 @@ PATCHES: tuple[Patch, ...] = (
         BLOCK_POOL,
         "BlockPool.cache_partial_block",
         f"{_POOL}:wrap_cache_partial_block",
-        why="hybrid models' state blocks (align mode) are registered here, like full blocks",
+        why="hybrid models' state blocks (align mode) are registered here: its new entry "
+        "is recorded like a full block's",
         upstream=f"{_PART_1}, {_PART_3}; PR kv-events-per-hash",
         remove_when="vLLM carries the series",
         params=(
@@ -137,14 +139,13 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         BLOCK_POOL,
-        "BlockPool._insert_block_hash",
-        f"{_POOL}:wrap_insert_block_hash",
-        why="every prefix-cache entry is made here: each new (key, block) pair goes into "
-        "the open step's record, so the exact pair can be removed (another block may "
-        "cache the same key: kvcached #401/#402)",
-        upstream=f"{_PART_1}; PR kv-events-per-hash (first copies)",
+        "BlockPool.move_block_hashes",
+        f"{_POOL}:wrap_move_block_hashes",
+        why="a copy-on-write move of a Mamba checkpoint re-registers its entries on a block "
+        "the step being scheduled writes: they are that step's entries",
+        upstream=_PART_1,
         remove_when=_GONE_WITH_PART_1,
-        params=("block_hash_with_group_id", "block", "num_tokens"),
+        params=("src_block", "dst_block"),
         exact=True,
     ),
     Patch(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -38,14 +39,8 @@ class PoolState:
     uncommitted_entries: Any = None
     #: (request ID, group) of loaders rewound below blocks that kept their entry.
     kept_block_owners: Any = frozenset()
-    #: The request whose ``cache_*_block`` call is running; None for pool-driven moves
-    #: (a copy-on-write move of a Mamba checkpoint).
-    _guard_request_id: str | None = None
     #: KV events are published and a guard is attached: events name hashes, not blocks.
     _guard_events = False
-    #: ``(num_tokens, first copy)`` of each block the running ``cache_*`` call inserts,
-    #: while ``_guard_events``.
-    _guard_copies: list[tuple[int, bool]] | None = None
     #: A scheduler's guard attached to the pool (:func:`attach`).
     guard_attached = False
     #: Entries recorded; entries removed that were still cached, and that were not.
@@ -141,6 +136,14 @@ def overrides_not_calling(cls: type) -> list[str]:
 
 
 # -- the wrappers (each takes vLLM's function and returns the replacement) -------------
+#
+# Each registering method is wrapped, not ``_insert_block_hash`` (one frame less per
+# registration): a wrapper reads which entries vLLM made from what its call changed, so
+# no test of vLLM's is copied. Only vLLM's offloading tier calls ``_insert_block_hash``
+# directly, on its own CPU pool, which no guard attaches to (tests/test_targets.py pins
+# the callers on each tested release).
+
+_block_hash = operator.attrgetter("block_hash")
 
 
 def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
@@ -156,94 +159,41 @@ def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
         block_mask: Any = None,
     ) -> Any:
         if self.kept_block_owners and self.cache_around_kept_blocks(
-            request,
-            blocks,
-            num_cached_blocks,
-            num_full_blocks,
-            block_size,
-            kv_cache_group_id,
-            block_mask,
-        ):
+            request, blocks, num_cached_blocks, num_full_blocks, block_size,
+            kv_cache_group_id, block_mask,
+        ):  # fmt: skip
             return None  # blocks a failed load's rollback kept (the series' part 2)
-        if self._guard_events:
-            return cache_full_blocks_with_events(
-                self,
-                original,
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                block_mask,
-            )
-        self._guard_request_id = request.request_id
-        try:
+        entries = self.uncommitted_entries
+        if num_cached_blocks >= num_full_blocks or (entries is None and not self._guard_events):
             return original(
-                self,
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                block_mask,
-            )
-        finally:
-            self._guard_request_id = None
+                self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                kv_cache_group_id, block_mask,
+            )  # fmt: skip
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        hashes_before = list(map(_block_hash, new_blocks))
+        queued = len(self.kv_event_queue) if self._guard_events else 0
+        result = original(
+            self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+            kv_cache_group_id, block_mask,
+        )  # fmt: skip
+        # A block vLLM gave a new primary hash is a new entry (a full block has no
+        # other); null and masked blocks keep theirs.
+        new = []
+        num_tokens = num_cached_blocks * block_size
+        for block, before in zip(new_blocks, hashes_before, strict=True):
+            num_tokens += block_size
+            key = block.block_hash
+            if key is not before and key is not None:
+                new.append((key, block, num_tokens))
+        if new:
+            if entries is not None:  # record_entries, inline on the hot path
+                entries.setdefault(request.request_id, []).extend(new)
+                self.registrations_tracked += len(new)
+            if self._guard_events:
+                store_first_copies(self, queued, new, num_cached_blocks, block_size)
+        return result
 
     return cache_full_blocks
-
-
-def cache_full_blocks_with_events(
-    pool: Any,
-    original: AnyFn,
-    request: Any,
-    blocks: Any,
-    num_cached_blocks: int,
-    num_full_blocks: int,
-    block_size: int,
-    kv_cache_group_id: int,
-    block_mask: Any,
-) -> Any:
-    """``cache_full_blocks`` with KV events on: the call's ``BlockStored`` names only the
-    blocks that are their hash's first copy. Apart, so that the events-off path (the
-    common one) pays none of it."""
-    queue = pool.kv_event_queue
-    queued, pool._guard_copies = len(queue), []
-    pool._guard_request_id = request.request_id
-    try:
-        result = original(
-            pool,
-            request,
-            blocks,
-            num_cached_blocks,
-            num_full_blocks,
-            block_size,
-            kv_cache_group_id,
-            block_mask,
-        )
-    finally:
-        pool._guard_request_id = None
-        copies, pool._guard_copies = pool._guard_copies, None
-    if len(queue) > queued:
-        store_first_copies(pool, queue, copies, num_cached_blocks, block_size)
-    return result
-
-
-def store_first_copies(
-    pool: Any, queue: list[Any], copies: Any, num_cached_blocks: int, block_size: int
-) -> None:
-    """Rewrite the ``BlockStored`` a ``cache_*`` call queued last so that it names only
-    the blocks that are their hash's first copy (the series' part 3); ``copies`` as
-    :attr:`PoolState._guard_copies` holds them."""
-    if not copies or all(first for _, first in copies):
-        return
-    if type(queue[-1]).__name__ != "BlockStored":
-        return
-    stored = queue.pop()
-    positions = [(n // block_size - 1 - num_cached_blocks, first) for n, first in copies]
-    queue.extend(pool.first_copy_events(stored, positions))
 
 
 def wrap_cache_partial_block(original: AnyFn) -> AnyFn:
@@ -257,12 +207,8 @@ def wrap_cache_partial_block(original: AnyFn) -> AnyFn:
         block_size: int,
         replace_existing_hashes: bool = False,
     ) -> Any:
-        queue = self.kv_event_queue if self._guard_events else None
-        if queue is not None:
-            queued, self._guard_copies = len(queue), []
-        self._guard_request_id = request.request_id
-        try:
-            result = original(
+        if self.uncommitted_entries is None and not self._guard_events:
+            return original(
                 self,
                 request,
                 block,
@@ -271,59 +217,82 @@ def wrap_cache_partial_block(original: AnyFn) -> AnyFn:
                 block_size,
                 replace_existing_hashes,
             )
-        finally:
-            self._guard_request_id = None
-            if queue is not None:
-                copies, self._guard_copies = self._guard_copies, None
-        if (
-            queue is not None
-            and copies
-            and not copies[-1][1]
-            and len(queue) > queued
-            and type(queue[-1]).__name__ == "BlockStored"
+        primary = block.block_hash
+        known = len(self.cached_block_hashes_by_block.get(block.block_id, ()))
+        queued = len(self.kv_event_queue) if self._guard_events else 0
+        key = original(
+            self,
+            request,
+            block,
+            num_tokens,
+            kv_cache_group_id,
+            block_size,
+            replace_existing_hashes,
+        )
+        # A new entry made the key the block's primary hash, or one more secondary.
+        if key is not None and (
+            block.block_hash is not primary
+            or len(self.cached_block_hashes_by_block.get(block.block_id, ())) > known
         ):
-            queue.pop()  # its one BlockStored: another block caches the hash
-        return result
+            new = [(key, block, num_tokens)]
+            record_entries(self, request.request_id, new)
+            if self._guard_events:
+                store_first_copies(self, queued, new, 0, num_tokens)
+        return key
 
     return cache_partial_block
 
 
-def wrap_insert_block_hash(original: AnyFn) -> AnyFn:
+def wrap_move_block_hashes(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
-    def _insert_block_hash(
-        self: Any, block_hash_with_group_id: Any, block: Any, num_tokens: int | None
-    ) -> Any:
-        entries = self.uncommitted_entries
-        copies = self._guard_copies
-        if entries is None and copies is None:
-            return original(self, block_hash_with_group_id, block, num_tokens)
-        if copies is not None:
-            first = self.cached_block_hash_to_block.get_one_block(block_hash_with_group_id)
-            copies.append((num_tokens or 0, first is None))
-        # Whether vLLM made an entry is read from what it did: a block without a hash
-        # got this one as its primary, a hashed block one more secondary hash.
-        if block.block_hash is None:
-            result = original(self, block_hash_with_group_id, block, num_tokens)
-            if block.block_hash is None or entries is None:
-                return result
-        else:
-            secondary = self.cached_block_hashes_by_block.get(block.block_id)
-            known = len(secondary) if secondary else 0
-            result = original(self, block_hash_with_group_id, block, num_tokens)
-            secondary = self.cached_block_hashes_by_block.get(block.block_id)
-            if secondary is None or len(secondary) == known or entries is None:
-                return result
-        # num_tokens: the prefix length the key names (which tokens' KV it must hold).
-        entry = (block_hash_with_group_id, block, num_tokens)
-        request_entries = entries.get(self._guard_request_id)
-        if request_entries is None:
-            entries[self._guard_request_id] = [entry]
-        else:
-            request_entries.append(entry)
-        self.registrations_tracked += 1
+    def move_block_hashes(self: Any, src_block: Any, dst_block: Any) -> Any:
+        result = original(self, src_block, dst_block)
+        # The copy is written by the step being scheduled: its entries are that step's,
+        # on no request's behalf.
+        if self.uncommitted_entries is not None and dst_block.block_hash is not None:
+            num_tokens = dst_block.block_hash_num_tokens
+            moved = [
+                dst_block.block_hash,
+                *self.cached_block_hashes_by_block.get(dst_block.block_id, ()),
+            ]
+            record_entries(self, None, [(key, dst_block, num_tokens) for key in moved])
         return result
 
-    return _insert_block_hash
+    return move_block_hashes
+
+
+def record_entries(pool: Any, request_id: str | None, new: list[Any]) -> None:
+    """Put the entries one call made into the open step's record, if a step is open."""
+    entries = pool.uncommitted_entries
+    if entries is not None:
+        entries.setdefault(request_id, []).extend(new)
+        pool.registrations_tracked += len(new)
+
+
+def store_first_copies(
+    pool: Any, queued: int, new: list[Any], num_cached_blocks: int, block_size: int
+) -> None:
+    """Rewrite the ``BlockStored`` the ``cache_*`` call queued last (past ``queued``
+    events) so that it names only the blocks that are their hash's first copy (the
+    series' part 3): the block the index yields for the hash.
+
+    Args:
+        new: The call's entries, one per hash of the event, in its order.
+        num_cached_blocks: The call's; a block's position in the event is its entry's
+            number of tokens in ``block_size`` blocks past these (a partial block: 0, 0
+            and its number of tokens).
+    """
+    queue = pool.kv_event_queue
+    if len(queue) <= queued or type(queue[-1]).__name__ != "BlockStored":
+        return
+    get_one_block = pool.cached_block_hash_to_block.get_one_block
+    copies = [
+        (num_tokens // block_size - 1 - num_cached_blocks, get_one_block(key) is block)
+        for key, block, num_tokens in new
+    ]
+    if all(first for _, first in copies):
+        return
+    queue.extend(pool.first_copy_events(queue.pop(), copies))
 
 
 def wrap_emit_block_removed_events(original: AnyFn) -> AnyFn:

@@ -108,7 +108,6 @@ def patch_internals() -> tuple[Internal, ...]:
 #: ``BlockPool`` at start-up and again, by name, on the live pool a guard attaches to (a
 #: replacement such as kvcached's may lack what vLLM's has).
 POOL_INTERNALS: tuple[Internal, ...] = (
-    _callable(BLOCK_POOL, "BlockPool.move_block_hashes", _POOL, "src_block", "dst_block"),
     _callable(BLOCK_POOL, "BlockPool._remove_cached_block_hashes", _POOL, "block"),
     _callable(BLOCK_POOL, "BlockPool.reset_prefix_cache", _POOL),
     _callable(BLOCK_POOL, "BlockPool.evict_blocks", _POOL, "block_ids"),
@@ -118,10 +117,10 @@ POOL_INTERNALS: tuple[Internal, ...] = (
         _POOL,
         "enable_caching",
         "enable_kv_cache_events",
+        "kv_event_queue",
         "cached_block_hash_to_block",
         "cached_block_hashes_by_block",
     ),
-    _callable(BLOCK_POOL, "BlockHashToBlockMap.contain", _POOL, "key", "block_id"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.get_one_block", _POOL, "key"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key", "block_id"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.__len__", _POOL),

@@ -69,26 +69,39 @@ class Audit:
 
     @staticmethod
     def install_recorder() -> None:
-        """Wrap the guard's ``_insert_block_hash`` wrapper (its factory, so that every
-        later ``plugin.apply()`` installs the recording one)."""
+        """Wrap the factories of the guard's registering wrappers (so that every later
+        ``plugin.apply()`` installs recording ones): what a call added to the open step's
+        record for its request (a move: for none) is what the guard recorded."""
         from vllm_prefix_guard import pool as guard_pool
 
-        wrap = guard_pool.wrap_insert_block_hash
+        def recording_factory(wrap: Any, request_of: Callable[[tuple[Any, ...]], Any]) -> Any:
+            def recording_wrap(original: Any) -> Any:
+                wrapper = wrap(original)
 
-        def recording_wrap(original: Any) -> Any:
-            insert_block_hash = wrap(original)
+                def recording(pool: Any, *args: Any, **kwargs: Any) -> Any:
+                    entries = pool.uncommitted_entries
+                    request_id = request_of(args)
+                    known = len(entries.get(request_id, ())) if entries is not None else 0
+                    result = wrapper(pool, *args, **kwargs)
+                    audit = Audit.current
+                    if audit is not None and entries is not None:
+                        new = entries.get(request_id, [])[known:]
+                        audit.recorded.extend((key, block.block_id) for key, block, _ in new)
+                    return result
 
-            def recording(pool: Any, key: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
-                recorded = pool.registrations_tracked
-                result = insert_block_hash(pool, key, block, *args, **kwargs)
-                audit = Audit.current
-                if audit is not None and pool.registrations_tracked != recorded:
-                    audit.recorded.append((key, block.block_id))
-                return result
+                return recording
 
-            return recording
+            return recording_wrap
 
-        guard_pool.wrap_insert_block_hash = recording_wrap
+        def by_request(args: tuple[Any, ...]) -> Any:
+            return args[0].request_id
+
+        for name, request_of in (
+            ("wrap_cache_full_blocks", by_request),
+            ("wrap_cache_partial_block", by_request),
+            ("wrap_move_block_hashes", lambda args: None),
+        ):
+            setattr(guard_pool, name, recording_factory(getattr(guard_pool, name), request_of))
 
     def report(self) -> dict[str, Any]:
         pairs = list(zip(self.inserted_open, self.recorded, strict=False))
@@ -133,7 +146,7 @@ def pool_info(scheduler: Any) -> dict[str, Any]:
         "native_mixin": kvcached_cpu.native_mixin(type(pool)),
         # Its registrations reach the guard's wrappers on vLLM's BlockPool, and a
         # guard attached to it.
-        "guarded": is_guard_patch(vars(bp.BlockPool)["_insert_block_hash"]) and pool.guard_attached,
+        "guarded": is_guard_patch(vars(bp.BlockPool)["cache_full_blocks"]) and pool.guard_attached,
         "has_guard": guard_of(scheduler) is not None,
         "shared": pool is manager.coordinator.block_pool
         and all(m.block_pool is pool for m in manager.coordinator.single_type_managers),
