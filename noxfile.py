@@ -91,6 +91,8 @@ def vllm_venv(session: nox.Session, version: str) -> Path:
         "--disable-pip-version-check",
         "-e",
         f"{ROOT}[test]",
+        "-e",
+        str(ROOT / "harness"),
         external=True,
     )
     return venv
@@ -161,11 +163,12 @@ def run_pytest(
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format) on everything, mypy on src/; under a minute."""
+    """ruff (lint and format) on everything, mypy on the guard and the harness; under a
+    minute."""
     session.install("ruff>=0.6", "mypy>=1.10", "pytest", "types-requests")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("mypy", "src/vllm_prefix_guard")
+    session.run("mypy")  # pyproject.toml's files: the guard and the harness
 
 
 @nox.session
@@ -341,7 +344,6 @@ def demo(session: nox.Session) -> None:
         "-m",
         "guard_demo",
         *session.posargs,
-        env={"PYTHONPATH": str(ROOT / "examples")},
     )
 
 
@@ -363,7 +365,7 @@ for _version in TESTED_VLLM:
             venv,
             "python",
             "-m",
-            "vllm_prefix_guard.diagnostics.fuzz.soak",
+            "vllm_prefix_guard_harness.fuzz.soak",
             *session.posargs,
             *out,
         )

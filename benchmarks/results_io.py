@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.records import portable_path
+from vllm_prefix_guard_harness.records import portable_path
 
 
 def environment(vllm_version: str) -> dict[str, Any]:

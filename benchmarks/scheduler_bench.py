@@ -1,7 +1,7 @@
 """Scheduler overhead of the guard: per-step ``schedule()`` + ``update_from_output()`` time.
 
 Runs vLLM's real ``Scheduler`` (``AsyncScheduler`` for async cells) in steady state on the
-project's harness (``vllm_prefix_guard.diagnostics``: the scheduler factory, the
+project's harness (``vllm_prefix_guard_harness``: the scheduler factory, the
 shadow-KV worker and the ``EngineCore``-like driver the tests and the fuzzer use) and
 compares three columns side by side, in one process:
 
@@ -66,8 +66,8 @@ from pathlib import Path
 from typing import Any
 
 from results_io import environment, write_document
-from vllm_prefix_guard.diagnostics.factory import VOCAB_SIZE, SchedulerSpec
-from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
+from vllm_prefix_guard_harness.factory import VOCAB_SIZE, SchedulerSpec
+from vllm_prefix_guard_harness.fuzz.oracle import MeteredDriver
 
 COLUMNS = ("stock", "guard", "pr43569")
 BLOCK_SIZE = 16
@@ -218,7 +218,7 @@ _call = getattr(operator, "call", lambda method, *args: method(*args))  # 3.11+:
 class TimedDriver(MeteredDriver):
     """The harness's engine loop and shadow-KV worker, timing the scheduler's calls only.
 
-    :class:`~vllm_prefix_guard.diagnostics.shadow_kv.Driver` runs ``schedule()`` and
+    :class:`~vllm_prefix_guard_harness.shadow_kv.Driver` runs ``schedule()`` and
     ``update_from_output()`` through :meth:`call_schedule` and :meth:`call_update`; here
     each is timed (``perf_counter_ns`` and thread CPU time) around that call alone, so the
     worker's execution, its audit of every read and the loop's bookkeeping stay outside.
@@ -291,14 +291,14 @@ class Lane:
 
     def __init__(self, cell: Cell, column: str) -> None:
         from vllm_prefix_guard import hooks
-        from vllm_prefix_guard.diagnostics.factory import make_scheduler
+        from vllm_prefix_guard_harness.factory import make_scheduler
 
         self.cell, self.column = cell, column
         select(column)
         scheduler = make_scheduler(cell.scheduler_spec())
         self.in_flight_rollbacks: Any = None  # PR #43569's extra undos (pr43569 column)
         if mode_of(column) == "pr43569":
-            from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
+            from vllm_prefix_guard_harness.fuzz.pr43569 import EveryStepInFlight
 
             self.in_flight_rollbacks = EveryStepInFlight(scheduler.kv_cache_manager)
             hooks.attach_guard(scheduler, self.in_flight_rollbacks)
@@ -328,7 +328,7 @@ class Lane:
         return not self.driver.in_flight and not self.scheduler.has_requests()
 
     def _top_up(self) -> None:
-        from vllm_prefix_guard.diagnostics.factory import make_request
+        from vllm_prefix_guard_harness.factory import make_request
 
         scheduler = self.scheduler
         while len(scheduler.requests) < self.cell.backlog:

@@ -20,10 +20,10 @@ import random
 import sys
 import time
 
-from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
-from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Event, Workload
+from vllm_prefix_guard_harness.factory import SchedulerSpec
+from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.workload import Abort, Arrive, Event, Workload
 
 
 def small_workload(rng: random.Random) -> Workload:

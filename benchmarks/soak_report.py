@@ -1,7 +1,7 @@
 """Put the soak reports' summary tables into a document (``docs/fuzzing.md``).
 
 Each ``benchmarks/results/soak-vllm-<X.Y>.md`` is a soak's own report, written by
-``python -m vllm_prefix_guard.diagnostics.fuzz.soak --out FILE`` (``nox -s soak-<X.Y>``): a
+``python -m vllm_prefix_guard_harness.fuzz.soak --out FILE`` (``nox -s soak-<X.Y>``): a
 line saying where and how long it ran, the command, the per-configuration summary, the
 per-mode counters, the timings and every check. This script copies the first three into
 the block between ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` of ``--doc``, one

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "compat"))
 import install_vllm  # noqa: E402
 import static_check  # noqa: E402
 
-from vllm_prefix_guard.diagnostics.records import portable_command  # noqa: E402
+from vllm_prefix_guard_harness.records import portable_command  # noqa: E402
 
 
 def _load(path: Path) -> Any:
@@ -123,7 +123,17 @@ class Routine:
             missing = self.venv / ".vllm-missing-requirements"
             left_out = missing.read_text().split() if missing.exists() else []
         rc, _ = run_logged(
-            [str(self.bin / "python"), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test]"],
+            [
+                str(self.bin / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "-e",
+                f"{ROOT}[test]",
+                "-e",
+                str(ROOT / "harness"),
+            ],
             self.log,
             self.env,
             1800,
@@ -211,7 +221,7 @@ class Routine:
         cmd = [
             str(self.bin / "python"),
             "-m",
-            "vllm_prefix_guard.diagnostics.fuzz.soak",
+            "vllm_prefix_guard_harness.fuzz.soak",
             "--steps",
             str(self.args.soak_steps),
             "--jobs",

@@ -48,7 +48,7 @@ def preflight() -> list[str]:
     if PLUGIN_NAME not in plugins:
         problems.append(
             f"entry point {PLUGIN_GROUP}:{PLUGIN_NAME} is not registered; "
-            "run `pip install -e .` in the repository"
+            "run `pip install -e . -e harness` in the repository"
         )
     else:
         print(f"plugin: {PLUGIN_NAME} -> {plugins[PLUGIN_NAME]}")

@@ -16,7 +16,7 @@
 # CPU, tests/kvcached proves the guard on kvcached's pool at scheduler level. Venv for it:
 #   pip install vllm==0.30.0 && pip install --no-build-isolation <kvcached 0.1.6 sdist>
 #   (python scripts/fetch_kvcached.py DIR fetches and checks the sdist; building it needs CUDA)
-#   && pip install -e '.[test]'
+#   && pip install -e '.[test]' -e harness
 #
 # --hybrid: the hybrid engine, tests/e2e/test_engine_hybrid.py (the tiny NemotronH: a Mamba2
 # layer beside full attention, its state cached per block in align mode), with async

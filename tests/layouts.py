@@ -1,10 +1,10 @@
 """The scheduler-level layouts more than one test runs: built once, here.
 
 Every test that builds a real scheduler builds it with
-:func:`vllm_prefix_guard.diagnostics.factory.make_scheduler`; the layouts below are the
+:func:`vllm_prefix_guard_harness.factory.make_scheduler`; the layouts below are the
 ones two test files share (the regression tests on vLLM's pool, and ``tests/kvcached``
 on kvcached's, in its own interpreter, which has this directory on its path). Each
-returns the :class:`~vllm_prefix_guard.diagnostics.shadow_kv.Driver` it ran, whose
+returns the :class:`~vllm_prefix_guard_harness.shadow_kv.Driver` it ran, whose
 shadow KV holds the verdict, or the figures the test asserts on; what a test asserts
 stays in the test.
 """
@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload
-from vllm_prefix_guard.diagnostics.kv_events import KVEventReplay
-from vllm_prefix_guard.diagnostics.pool_index import cached_block_ids, keys_cached_twice
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard_harness.factory import SchedulerSpec, make_request, make_scheduler
+from vllm_prefix_guard_harness.fuzz.workload import Abort, Arrive, Workload
+from vllm_prefix_guard_harness.kv_events import KVEventReplay
+from vllm_prefix_guard_harness.pool_index import cached_block_ids, keys_cached_twice
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 #: 4 blocks of 16 tokens; the fake connector holds the first 3.
 FAILED_LOAD_PROMPT = list(range(1, 65))
@@ -38,7 +38,7 @@ def shrunk_async_priority(**overrides: Any) -> SchedulerSpec:
     return dataclasses.replace(SHRUNK_ASYNC_PRIORITY, **overrides)
 
 
-#: The notes' deterministic zombie layout (``diagnostics.selftest.zombie_layout``) as the
+#: The notes' deterministic zombie layout (``notes_zombie.zombie_layout`` of the harness) as the
 #: fuzzer's events: D and A run, B arrives, A is preempted in the step that scheduled it,
 #: C (and A on resume) hit A's block 8, which A's withdrawn step registered but never wrote.
 ZOMBIE_SPEC = SchedulerSpec(num_blocks=20, policy="priority", long_prefill_token_threshold=64)

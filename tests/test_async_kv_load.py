@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from vllm_prefix_guard.diagnostics import connector as fake_connector
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import STATE_NEVER_WRITTEN, Driver
+from vllm_prefix_guard_harness import connector as fake_connector
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.shadow_kv import STATE_NEVER_WRITTEN, Driver
 
 PREFIX = list(range(1, 65))  # four 16-token blocks
 LOADER_PROMPT = PREFIX + list(range(1000, 1010))

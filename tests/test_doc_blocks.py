@@ -31,7 +31,7 @@ def doc(tmp_path: Path, name: str) -> Path:
 
 
 SOAK_REPORT = """Soak: vLLM 0.32.0, Python 3.11.7 (PYTHONHASHSEED=0), 2 CPUs, 1 job(s), 10 s.
-Command: `python -m vllm_prefix_guard.diagnostics.fuzz.soak --steps 100 --out x.md`
+Command: `python -m vllm_prefix_guard_harness.fuzz.soak --steps 100 --out x.md`
 
 | configuration | steps (per mode) | checks |
 |---|---:|---|
@@ -64,7 +64,7 @@ def test_soak_report_copies_each_release_summary(tmp_path: Path) -> None:
 def soak_report_of(rows: dict[str, str]) -> str:
     lines = [
         "Soak: vLLM 0.34.0, 2 CPUs, 2 job(s), 10 s.",
-        "Command: `python -m vllm_prefix_guard.diagnostics.fuzz.soak --config x`",
+        "Command: `python -m vllm_prefix_guard_harness.fuzz.soak --config x`",
         "",
         "| configuration | steps (per mode) | bad reads: stock / guard | checks |",
         "|---|---:|---:|---|",

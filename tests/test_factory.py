@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, make_scheduler
+from vllm_prefix_guard_harness.factory import SchedulerSpec, make_scheduler
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.hooks import guard_of
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 SLIDING_WINDOW = 64
 PROMPT = list(range(1, 146))  # 9 full 16-token blocks and one token

@@ -23,13 +23,13 @@ from layouts import (
     HYBRID_SPARSE_ZOMBIE_CHECKPOINT,
     HYBRID_WRONG_STATE_0_33,
 )
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.capabilities import partial_state_hits_unsound
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.oracle import MeteredDriver
-from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult, run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Workload, expand
-from vllm_prefix_guard.diagnostics.shadow_kv import STATE_NEVER_WRITTEN, STATE_WRONG_CONTENT, Driver
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.fuzz.capabilities import partial_state_hits_unsound
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.oracle import MeteredDriver
+from vllm_prefix_guard_harness.fuzz.runner import RunResult, run_workload
+from vllm_prefix_guard_harness.fuzz.workload import Abort, Arrive, Workload, expand
+from vllm_prefix_guard_harness.shadow_kv import STATE_NEVER_WRITTEN, STATE_WRONG_CONTENT, Driver
 
 PROMPT = list(range(1, 161))  # ten 16-token blocks: prefilled in 64-token chunks
 
@@ -254,7 +254,7 @@ def test_a_block_copy_carries_the_state_it_holds() -> None:
     """vLLM 0.33's runner copies a Mamba partial hit's block (copy-on-write,
     ``SchedulerOutput.kv_cache_block_copies``) before the forward pass: the copy holds what
     the source held, and a copy of a never-written block holds nothing the oracle trusts."""
-    from vllm_prefix_guard.diagnostics.shadow_kv import ShadowState
+    from vllm_prefix_guard_harness.shadow_kv import ShadowState
 
     state = ShadowState(group=1, block_size=4, held={3: 111}, written_at={3: 7})
     state.copy(3, 5)

@@ -10,7 +10,7 @@ a set of announced keys (vllm-router, NVIDIA Dynamo's standalone indexer), or co
 ``BlockStored`` comes when the first block caches the key and ``BlockRemoved`` when the
 last one loses it. Two shapes (``tests/layouts.py``; ``tests/kvcached`` runs them on
 kvcached's pool), checked by both consumers replayed from the stream against the pool's
-index (:class:`~vllm_prefix_guard.diagnostics.kv_events.KVEventReplay`):
+index (:class:`~vllm_prefix_guard_harness.kv_events.KVEventReplay`):
 
 - vLLM evicts one copy for reuse, then the other (stock vLLM announces the key removed
   while the other copy serves it, open vLLM PR #55092's shape: the set consumer forgets

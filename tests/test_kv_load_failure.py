@@ -21,16 +21,16 @@ from layouts import (
     shrunk_async_priority,
 )
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Reset, Workload
-from vllm_prefix_guard.diagnostics.shadow_kv import (
+from vllm_prefix_guard.hooks import guard_of
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.workload import Arrive, Reset, Workload
+from vllm_prefix_guard_harness.shadow_kv import (
     NEVER_WRITTEN,
     OUTPUT_OVER_BAD_KV,
     WRONG_CONTENT,
     Driver,
 )
-from vllm_prefix_guard.hooks import guard_of
 
 PROMPT = FAILED_LOAD_PROMPT
 

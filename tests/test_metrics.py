@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_prefix_guard import metrics, plugin
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.patching import is_guard_patch
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -2,7 +2,7 @@
 
 Results, docs and reports name commands and repository-relative paths; an absolute path of
 the build machine (its ``/work`` tree, root's home, a random temporary directory) means
-nothing to a reader. ``vllm_prefix_guard.diagnostics.records`` writes results that way.
+nothing to a reader. ``vllm_prefix_guard_harness.records`` writes results that way.
 """
 
 from __future__ import annotations

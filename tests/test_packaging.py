@@ -1,5 +1,5 @@
-"""What operators install: the wheel holds the guard and its diagnostics, nothing else, and
-loading the plugin imports none of the diagnostics."""
+"""What operators install: the wheel holds the guard and its self-test, nothing else; the
+harness (oracle, fuzzer, explorer, demo) is a second distribution, ``harness/``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from vllm_prefix_guard import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Every module the wheel ships, by job. Anything else (the demo, the e2e harness, the
-#: model generator, benchmarks, tests) stays in the repository.
+#: Every module the wheel ships. Anything else (the oracle, fuzzer and explorer, the demo,
+#: the e2e harness, the model generator, benchmarks, tests) stays in the repository.
 GUARD = {
     "__init__",
     "cli",
@@ -36,53 +36,10 @@ GUARD = {
     "rules/kv_cache_manager",
     "rules/uncommitted",
     "scheduler_guard",
+    "selftest",
     "stats",
     "targets",
     "versions",
-}
-DIAGNOSTICS = {
-    "diagnostics/__init__",
-    "diagnostics/connector",
-    "diagnostics/factory",
-    "diagnostics/kv_events",
-    "diagnostics/pool_index",
-    "diagnostics/records",
-    "diagnostics/selftest",
-    "diagnostics/shadow_kv",
-    *(
-        f"diagnostics/fuzz/{name}"
-        for name in (
-            "__init__",
-            "audit",
-            "capabilities",
-            "cli",
-            "configs",
-            "differential",
-            "generators",
-            "hash_seed",
-            "oracle",
-            "pr43569",
-            "report",
-            "runner",
-            "shrink",
-            "soak",
-            "workload",
-        )
-    ),
-    *(
-        f"diagnostics/explore/{name}"
-        for name in (
-            "__init__",
-            "cli",
-            "digest",
-            "mutations",
-            "report",
-            "scope",
-            "search",
-            "system",
-            "visited",
-        )
-    ),
 }
 
 
@@ -101,7 +58,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-def test_the_wheel_holds_the_guard_and_its_diagnostics_only(wheel: Path) -> None:
+def test_the_wheel_holds_the_guard_only(wheel: Path) -> None:
     assert wheel.name.startswith(f"vllm_prefix_guard-{__version__}-")
     names = zipfile.ZipFile(wheel).namelist()
     modules = {
@@ -109,7 +66,7 @@ def test_the_wheel_holds_the_guard_and_its_diagnostics_only(wheel: Path) -> None
         for name in names
         if name.startswith("vllm_prefix_guard/") and name.endswith(".py")
     }
-    assert modules == GUARD | DIAGNOSTICS
+    assert modules == GUARD
     assert "vllm_prefix_guard/py.typed" in names
     assert not [
         n for n in names if n.split("/")[0] not in ("vllm_prefix_guard",) and ".dist-info/" not in n
@@ -138,9 +95,9 @@ loaded("doctor")
 """
 
 
-def test_the_plugin_and_doctor_import_no_diagnostics() -> None:
-    """Loading the plugin (as vLLM does) and then ``doctor`` without ``--self-test`` import
-    nothing from ``vllm_prefix_guard.diagnostics``."""
+def test_the_plugin_and_doctor_import_no_harness() -> None:
+    """Loading the plugin (as vLLM does) and then ``doctor`` import nothing from the
+    harness, nor the self-test (imported only by ``--self-test``)."""
     result = subprocess.run(
         [sys.executable, "-c", _STAGES],
         env={**os.environ, "VLLM_PREFIX_GUARD": "1"},
@@ -157,4 +114,54 @@ def test_the_plugin_and_doctor_import_no_diagnostics() -> None:
     assert "vllm_prefix_guard.plugin" in stages["plugin"]
     assert "vllm_prefix_guard.doctor" in stages["doctor"]
     for modules in stages.values():
-        assert not {m for m in modules if m.startswith("vllm_prefix_guard.diagnostics")}
+        assert not {m for m in modules if m.startswith("vllm_prefix_guard_harness")}
+        assert "vllm_prefix_guard.selftest" not in modules
+
+
+def wheel_size(wheel: Path) -> tuple[int, int, int]:
+    """(Modules, lines, lines of code) of the wheel's Python: code being what is not blank,
+    a comment or a docstring."""
+    import ast
+
+    modules = lines = code = 0
+    archive = zipfile.ZipFile(wheel)
+    for name in archive.namelist():
+        if not name.endswith(".py"):
+            continue
+        text = archive.read(name).decode()
+        docstrings = set()
+        for node in ast.walk(ast.parse(text)):
+            body = getattr(node, "body", None)
+            if (
+                isinstance(body, list)
+                and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
+                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+        rows = text.splitlines()
+        modules += 1
+        lines += len(rows)
+        code += sum(
+            1
+            for number, row in enumerate(rows, 1)
+            if row.strip() and not row.lstrip().startswith("#") and number not in docstrings
+        )
+    return modules, lines, code
+
+
+def test_the_readme_gives_the_wheels_size(wheel: Path) -> None:
+    modules, lines, code = wheel_size(wheel)
+    readme = (ROOT / "README.md").read_text()
+    assert f"{modules} modules, {lines:,} lines ({code:,} of code" in readme, (modules, lines, code)
+
+
+def test_the_harness_is_a_distribution_of_its_own(tmp_path: Path) -> None:
+    subprocess.run(
+        [*PIP_WHEEL, "-w", str(tmp_path), str(ROOT / "harness")], check=True, capture_output=True
+    )
+    (built,) = tmp_path.glob("vllm_prefix_guard_harness-*.whl")
+    packages = {name.split("/")[0] for name in zipfile.ZipFile(built).namelist()}
+    assert {"vllm_prefix_guard_harness", "guard_demo"} <= packages
+    assert "vllm_prefix_guard" not in packages

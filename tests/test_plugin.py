@@ -16,12 +16,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from native_fix import METHODS, simulate_native_fix, simulate_pr43569
 from vllm_prefix_guard import __version__, plugin, targets
-from vllm_prefix_guard.diagnostics.factory import make_scheduler
 from vllm_prefix_guard.errors import GuardConfigError, GuardUnsupportedError
 from vllm_prefix_guard.hooks import GUARD_ATTR, guard_of
 from vllm_prefix_guard.log import LOGGER_NAME
 from vllm_prefix_guard.patches import PATCHES
 from vllm_prefix_guard.plugin import ENV_VAR
+from vllm_prefix_guard_harness.factory import make_scheduler
 
 STOCK_SCHEDULE = Scheduler.__dict__["schedule"]
 #: Every row of the patch table, as its start-up log line names it.
@@ -247,7 +247,7 @@ def test_fresh_process_needs_only_the_environment() -> None:
         "vllm.plugins.load_general_plugins()\n"
         "from vllm_prefix_guard import plugin\n"
         "from vllm_prefix_guard.hooks import guard_of\n"
-        "from vllm_prefix_guard.diagnostics.factory import make_scheduler\n"
+        "from vllm_prefix_guard_harness.factory import make_scheduler\n"
         "assert plugin.is_applied(), 'guard not applied'\n"
         "assert guard_of(make_scheduler()) is not None, 'no guard'\n"
         "print('guarded')\n"

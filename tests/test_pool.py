@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.pool_index import keys_cached_twice
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.errors import GuardUnsupportedError
 from vllm_prefix_guard.hooks import guard_of
 from vllm_prefix_guard.pool import attach
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.pool_index import keys_cached_twice
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 
 def duplicated_decode_block() -> tuple[Any, Any, list[Any], list[int]]:

@@ -19,12 +19,12 @@ import pytest
 from layouts import fcfs_preemption, fcfs_preemption_two_in_flight, shrunk_async_priority
 from native_fix import INSTALLED as NATIVE_FIX_INSTALLED
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult, run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
-from vllm_prefix_guard.diagnostics.selftest import zombie_layout
-from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
 from vllm_prefix_guard.hooks import guard_of
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.fuzz.runner import RunResult, run_workload
+from vllm_prefix_guard_harness.fuzz.workload import Arrive, Workload
+from vllm_prefix_guard_harness.notes_zombie import zombie_layout
+from vllm_prefix_guard_harness.shadow_kv import NEVER_WRITTEN, Driver
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "sync-block16": {},

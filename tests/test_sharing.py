@@ -11,9 +11,9 @@ run only when the running loop preempted nobody), which the last test pins.
 from __future__ import annotations
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.rules.failed_kv_loads import resumed_req_ids
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 
 def first_step(prompt_len: int, copies: int) -> tuple[dict[str, int], int]:

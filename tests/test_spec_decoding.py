@@ -25,16 +25,16 @@ import dataclasses
 import pytest
 
 from layouts import HYBRID_WRONG_STATE_0_33
-from vllm_prefix_guard.diagnostics.factory import (
+from vllm_prefix_guard_harness.factory import (
     hash_lookahead_tokens,
     make_request,
     make_scheduler,
 )
-from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.differential import run_seed
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
-from vllm_prefix_guard.diagnostics.shadow_kv import (
+from vllm_prefix_guard_harness.fuzz.configs import ALL_CONFIGS
+from vllm_prefix_guard_harness.fuzz.differential import run_seed
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.workload import Arrive, Workload
+from vllm_prefix_guard_harness.shadow_kv import (
     STATE_NEVER_WRITTEN,
     STATE_WRONG_CONTENT,
     Driver,

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.hooks import PUBLISHER_ATTR, guard_of
 from vllm_prefix_guard.log import LOGGER_NAME
 from vllm_prefix_guard.metrics import RUN_DIR_ENV
 from vllm_prefix_guard.stats import STATS_FILE_ENV, StatsPublisher, stats_file_path
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 
 def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:

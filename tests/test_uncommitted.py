@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.shadow_kv import NEVER_WRITTEN, Driver
 from vllm_prefix_guard.hooks import guard_of
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.shadow_kv import NEVER_WRITTEN, Driver
 
 
 def guarded_driver(**spec: Any) -> tuple[Driver, SchedulerGuard]:

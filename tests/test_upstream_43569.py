@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.factory import (
+from vllm_prefix_guard.hooks import guard_of
+from vllm_prefix_guard.pool import attach
+from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard.scheduler_guard import SchedulerGuard
+from vllm_prefix_guard_harness.factory import (
     SchedulerSpec,
     kv_cache_config,
     make_request,
     make_scheduler,
 )
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
-from vllm_prefix_guard.hooks import guard_of
-from vllm_prefix_guard.pool import attach
-from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
-from vllm_prefix_guard.scheduler_guard import SchedulerGuard
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 
 def _manager_and_guard(mode: str, **spec: Any) -> tuple[Any, SchedulerGuard | None]:

@@ -56,7 +56,7 @@ import tree  # noqa: E402
 from hub_cache import write_hub_cache  # noqa: E402
 from run_vllm_suite import FAILED, compare  # noqa: E402
 
-from vllm_prefix_guard.diagnostics.explore.scope import DEFAULT_SCOPES  # noqa: E402
+from vllm_prefix_guard_harness.explore.scope import DEFAULT_SCOPES  # noqa: E402
 
 #: The project's regression tests of the rollback rules: each shows bad KV on stock and
 #: none guarded; on the whole series they run once, as ``native`` (tests/native_fix.py).
@@ -241,8 +241,8 @@ def fuzz(tree_dir: Path | None, modes: str, seeds: int, env: dict, work: Path, n
 def explore(
     tree_dir: Path, scopes: list[str], env: dict, work: Path, name: str
 ) -> list[dict[str, Any]]:
-    """``vllm-prefix-guard explore`` on a patched tree, its stock lane being the patch (guard
-    off): each scope's figures, every sequence of events within its bounds."""
+    """``vllm-prefix-guard-harness explore`` on a patched tree, its stock lane being the
+    patch (guard off): each scope's figures, every sequence of events within its bounds."""
     out = work / f"{name}.json"
     out.unlink(missing_ok=True)
     command = Path(sys.executable).parent / "vllm-prefix-guard"
@@ -277,7 +277,7 @@ def check_b(
 ) -> dict[str, Any]:
     """Each prefix alone, judged by the oracle, against the guard's figures; the whole
     series explored within the explorer's bounds."""
-    from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
+    from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
 
     whole = trees[SERIES]
     prefixes = {name: count for name, count in tree_names().items() if count}
@@ -443,7 +443,7 @@ load_general_plugins()
 load_general_plugins()
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_prefix_guard import plugin, targets
-from vllm_prefix_guard.diagnostics.factory import make_scheduler
+from vllm_prefix_guard_harness.factory import make_scheduler
 scheduler = make_scheduler(async_scheduling=True)
 pool = type(scheduler.kv_cache_manager.block_pool)
 print(json.dumps({

@@ -243,7 +243,7 @@ def explore_section(explored: dict[str, Any]) -> str:
         "vllm-prefix-guard's explorer enumerates instead of sampling: from each state it forks "
         "one branch per allowed event (states with equal digests explored once), and runs "
         "every branch through the real scheduler with the shadow-KV worker, on to its drain. "
-        "On the series, guard off (`vllm-prefix-guard explore --modes stock`, the patched "
+        "On the series, guard off (`vllm-prefix-guard-harness explore --modes stock`, the patched "
         f"vLLM as *stock*): {verdict(explored)}.",
         "",
         "| scope | bounds | states | transitions | complete | bad reads |",

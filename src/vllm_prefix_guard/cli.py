@@ -3,11 +3,11 @@
   doctor   will the guard be on for a server started from this shell, and does the installed
            vLLM have every internal it needs (--self-test: run the known failure, stock vs
            guarded, on this very build)
-  fuzz     randomised differential run (stock vs guard) against the installed vLLM
-  explore  bounded-exhaustive exploration: every sequence of events within small scopes
 
-Exit status: 0 everything passed; 1 a check failed (doctor) or a fuzz check failed;
-2 bad usage, or the guard cannot apply to this vLLM (fuzz).
+The fuzzer, soak and explorer are the repository's harness (vllm-prefix-guard-harness),
+not part of this package.
+
+Exit status: 0 everything passed; 1 a check failed; 2 bad usage.
 """
 
 from __future__ import annotations
@@ -60,24 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose", action="store_true", help="list every internal, not only a failed one"
     )
     doctor.set_defaults(func=cmd_doctor)
-    # fuzz has its own parser (diagnostics, imported only when it runs).
-    sub.add_parser("fuzz", help="differential fuzzing against the installed vLLM", add_help=False)
-    sub.add_parser("explore", help="bounded-exhaustive exploration of the rules", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    arguments = sys.argv[1:] if argv is None else argv
-    if arguments[:1] == ["fuzz"]:
-        from vllm_prefix_guard.diagnostics.fuzz.cli import main as fuzz_main
-
-        return fuzz_main(arguments[1:], reexec=argv is None)
-    if arguments[:1] == ["explore"]:
-        from vllm_prefix_guard.diagnostics.explore.cli import main as explore_main
-
-        return explore_main(arguments[1:], reexec=argv is None)
-    args = build_parser().parse_args(arguments)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     result: int = args.func(args)
     return result
 

@@ -8,7 +8,7 @@ in :data:`vllm_prefix_guard.targets.INTERNALS`, and the pool kvcached swaps in. 
 server started from this shell would refuse to start, a check fails (and ``doctor`` exits
 1); a setting only the enabled guard reads is reported, not failed, while the guard is off.
 ``--self-test`` then runs the known failure on stock and guarded schedulers of this very
-vLLM build (diagnostics, imported only then).
+vLLM build (``selftest``, imported only then).
 """
 
 from __future__ import annotations
@@ -293,19 +293,19 @@ def _kvcached_pool_check(pool_class: type, guard_on: bool) -> Check:
 
 
 def _self_test() -> Check:
-    """Run the notes' deterministic zombie layout on stock and guarded schedulers."""
-    from vllm_prefix_guard.diagnostics.selftest import zombie_layout_violations
+    """Run the notes' priority-preemption layout on stock and guarded schedulers."""
+    from vllm_prefix_guard.selftest import zombie_layout
 
     was_applied = plugin.is_applied()
     plugin.undo()
-    stock = zombie_layout_violations()
+    stock = zombie_layout()
     plugin.apply()
-    guarded = zombie_layout_violations()
+    guarded = zombie_layout()
     if not was_applied:
         plugin.undo()
     return Check(
         "self-test (priority zombie layout)",
         OK if guarded == 0 else FAIL,
-        f"stock wrong reads={stock}, guarded wrong reads={guarded}"
+        f"entries over KV no step wrote, summed over steps: stock {stock}, guarded {guarded}"
         + ("" if stock else " (this vLLM build does not show the stock failure)"),
     )

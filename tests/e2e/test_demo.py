@@ -15,7 +15,7 @@ from guard_demo.server import shutdown_problems
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
+HARNESS = str(Path(__file__).resolve().parents[2] / "harness")
 # Kept after it: a checkout's src/ put there (to run a worktree's guard) must reach the demo.
 PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
@@ -36,7 +36,7 @@ def test_demo_passes_and_cleans_up(tiny_model: Path, tmp_path: Path) -> None:
             "--log-dir",
             str(tmp_path),
         ],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([EXAMPLES, *PYTHONPATH])},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([HARNESS, *PYTHONPATH])},
         capture_output=True,
         text=True,
         timeout=600,

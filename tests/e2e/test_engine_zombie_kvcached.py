@@ -59,7 +59,7 @@ def run_engine(mode: str, model: Path, out: Path) -> ScenarioRun:
     env["PYTHONPATH"] = os.pathsep.join(
         [
             str(ROOT / "src"),
-            str(ROOT / "examples"),
+            str(ROOT / "harness"),
             *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
         ]
     )

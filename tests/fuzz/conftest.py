@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS, runnable
-from vllm_prefix_guard.diagnostics.fuzz.differential import ConfigResult, run_matrix
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS, runnable
+from vllm_prefix_guard_harness.fuzz.differential import ConfigResult, run_matrix
 
 CI_SEEDS = range(3)
 
@@ -34,7 +34,7 @@ _results = CIResults()
 def ci_results() -> Iterator[dict[str, ConfigResult]]:
     """Configuration name -> its totals over ``CI_SEEDS``, all modes."""
     if not _results:
-        from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+        from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
 
         quiet_vllm()
         configs, CIResults.skipped = runnable(list(CONFIGS.values()))
@@ -46,8 +46,8 @@ def ci_results() -> Iterator[dict[str, ConfigResult]]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _results:
         return
-    from vllm_prefix_guard.diagnostics.fuzz.report import checks_text, markdown_table
     from vllm_prefix_guard.targets import vllm_version
+    from vllm_prefix_guard_harness.fuzz.report import checks_text, markdown_table
 
     results = list(_results.values())
     terminalreporter.section(f"fuzz: stock vs guard vs pr43569 (vLLM {vllm_version()})")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.differential import (
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.differential import (
     DECISIONS_CHECK,
     EXPLAINED,
     FAIL,

@@ -27,15 +27,15 @@ import pytest
 import vllm
 
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.fuzz.audit import LEFTOVER, PREEMPTED, VALID
-from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.audit import LEFTOVER, PREEMPTED, VALID
+from vllm_prefix_guard_harness.fuzz.configs import ALL_CONFIGS, CONFIGS
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
 
 
 @pytest.mark.slow
 @guard_only("the audit is the guard's rules")
 def test_leftover_bytes_are_not_valid_kv_rolled_back() -> None:
-    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+    from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
 
     quiet_vllm()
     config = CONFIGS["reset-async"]
@@ -54,7 +54,7 @@ def test_leftover_bytes_are_not_valid_kv_rolled_back() -> None:
 @pytest.mark.slow
 @guard_only("the audit is the guard's rules")
 def test_a_twins_state_left_in_a_reused_block_is_not_valid_state_rolled_back() -> None:
-    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+    from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
 
     quiet_vllm()
     config = ALL_CONFIGS["hybrid-partial-kv-load-async"]

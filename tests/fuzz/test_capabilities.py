@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz.capabilities import (
+from vllm_prefix_guard_harness.fuzz.capabilities import (
     ASYNC_LOAD_PROBE,
     PARTIAL_STATE_PROBES,
     async_loads_stall,
@@ -15,8 +15,8 @@ from vllm_prefix_guard.diagnostics.fuzz.capabilities import (
     partial_state_hits_unsound,
     scheduler_features_missing,
 )
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
 
 
 @pytest.mark.parametrize("probe", range(len(PARTIAL_STATE_PROBES)))

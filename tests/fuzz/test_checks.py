@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
-from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.differential import EXPLAINED, FAIL, OK, ConfigResult
+from vllm_prefix_guard_harness.fuzz.runner import RunResult
 
 
 def _drain(runs_by_mode: dict[str, tuple[int, int]]) -> tuple[str, str]:
@@ -57,7 +57,7 @@ def _preemptions(
 ) -> tuple[str, str]:
     """'guard preemptions <= stock' over seeds of (stock's, guard's preemptions, whether
     stock read bad KV there), with an audit that is exact or not."""
-    from vllm_prefix_guard.diagnostics.fuzz.audit import AuditCounts
+    from vllm_prefix_guard_harness.fuzz.audit import AuditCounts
 
     result = ConfigResult(CONFIGS["hybrid-victim"], ("stock", "guard"))
     for seed, (stock_preempted, guard_preempted, stock_read_bad) in enumerate(by_seed):

@@ -1,6 +1,6 @@
 """Diagnostics observe, never decide: the rollback audit changes nothing the guard does.
 
-The audit (:class:`~vllm_prefix_guard.diagnostics.fuzz.audit.RollbackAudit`) runs the
+The audit (:class:`~vllm_prefix_guard_harness.fuzz.audit.RollbackAudit`) runs the
 guard's rules as a subclass that only looks. Installed, it must leave every counter of a
 guarded run and its trajectory (every step's decisions) exactly as the plain guard's, in
 every fuzz configuration. The production guard has no hook a diagnostic could assign:
@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.fuzz.capabilities import scheduler_features_missing
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.capabilities import scheduler_features_missing
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
 
 #: What a run decided: if the audit changed a decision, one of these differs.
 DECISIONS = (

@@ -1,4 +1,4 @@
-"""``vllm-prefix-guard fuzz``: an operator's check of their own vLLM build."""
+"""``vllm-prefix-guard-harness fuzz``: the differential fuzzer from a shell."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.cli import main
+from vllm_prefix_guard_harness.cli import main
 
 
 def test_json_run_reports_exposure_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:

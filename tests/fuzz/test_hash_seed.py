@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz import hash_seed
+from vllm_prefix_guard_harness.fuzz import hash_seed
 
 
 def _execs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:

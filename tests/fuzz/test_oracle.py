@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from layouts import zombie_workload
-from vllm_prefix_guard.diagnostics.factory import SchedulerSpec
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.workload import Arrive, Workload
+from vllm_prefix_guard_harness.factory import SchedulerSpec
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.workload import Arrive, Workload
 
 E2 = zombie_workload()
 
@@ -45,8 +45,8 @@ def test_a_reported_block_with_right_content_is_a_clean_read() -> None:
     """A reported invalid block id can name a block that was freed and rewritten since
     (reused by a load that succeeded): reading right content there is no loss, so the
     reader is not tainted; wrong content there is unclean but vLLM's known loss."""
-    from vllm_prefix_guard.diagnostics.fuzz.oracle import FuzzKV
-    from vllm_prefix_guard.diagnostics.shadow_kv import ScheduledRead, TokenModel
+    from vllm_prefix_guard_harness.fuzz.oracle import FuzzKV
+    from vllm_prefix_guard_harness.shadow_kv import ScheduledRead, TokenModel
 
     kv = FuzzKV(block_size=4)
     model = TokenModel(list(range(8)))
@@ -66,7 +66,7 @@ def test_remembered_verification_sees_a_later_rewrite() -> None:
     """Reads are remembered (a request's verified prefix, a block's verified positions),
     yet a slot rewritten after its reader verified it is caught at the next read, and a
     first write into an empty slot changes nothing verified."""
-    from vllm_prefix_guard.diagnostics.shadow_kv import ScheduledRead, ShadowKV, TokenModel
+    from vllm_prefix_guard_harness.shadow_kv import ScheduledRead, ShadowKV, TokenModel
 
     kv = ShadowKV(block_size=4)
     model = TokenModel(list(range(1, 11)))
@@ -87,7 +87,7 @@ def test_remembered_verification_sees_a_later_rewrite() -> None:
 
 
 def test_a_callers_sampling_rule_sets_the_tokens_past_the_prompt() -> None:
-    from vllm_prefix_guard.diagnostics.shadow_kv import TokenModel, next_token
+    from vllm_prefix_guard_harness.shadow_kv import TokenModel, next_token
 
     greedy = TokenModel([5, 6, 7])
     assert greedy.token(3) == next_token(greedy.fingerprint(2))
@@ -100,8 +100,8 @@ def test_a_callers_sampling_rule_sets_the_tokens_past_the_prompt() -> None:
 def test_the_driver_calls_the_scheduler_through_its_hooks_only() -> None:
     """What a benchmark times: every ``schedule()`` and ``update_from_output()`` goes
     through ``call_schedule``/``call_update``; the trajectory digest repeats with the run."""
-    from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+    from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+    from vllm_prefix_guard_harness.shadow_kv import Driver
 
     class Counting(Driver):
         def __init__(self, scheduler: object, depth: int) -> None:

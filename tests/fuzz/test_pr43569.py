@@ -4,12 +4,12 @@ in flight."""
 from __future__ import annotations
 
 from vllm_prefix_guard import plugin
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.pr43569 import EveryStepInFlight
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
 from vllm_prefix_guard.hooks import attach_guard, guard_of
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.pr43569 import EveryStepInFlight
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
 
 
 def test_rolls_back_the_victim_in_dispatched_steps() -> None:

@@ -11,15 +11,15 @@ from layouts import (
     zombie_workload,
 )
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.fuzz.runner import run_workload
-from vllm_prefix_guard.diagnostics.fuzz.shrink import (
+from vllm_prefix_guard_harness.fuzz.runner import run_workload
+from vllm_prefix_guard_harness.fuzz.shrink import (
     Budget,
     ddmin,
     reads_bad_kv,
     rolls_back_valid_kv,
     shrink,
 )
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive
+from vllm_prefix_guard_harness.fuzz.workload import Abort, Arrive
 
 # The notes' deterministic layout, buried in unrelated traffic.
 E2 = ZOMBIE_ARRIVALS

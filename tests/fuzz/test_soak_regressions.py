@@ -19,8 +19,8 @@ import pytest
 
 from native_fix import INSTALLED as NATIVE_FIX_INSTALLED
 from native_fix import guard_only
-from vllm_prefix_guard.diagnostics.fuzz.configs import CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.runner import RunResult, run_workload
+from vllm_prefix_guard_harness.fuzz.configs import CONFIGS
+from vllm_prefix_guard_harness.fuzz.runner import RunResult, run_workload
 
 #: (configuration, seed): what the soak found; the soak's horizon is 5x the CI one.
 #: ``hybrid-retry-async`` seed 9 (vLLM 0.33, found 2026-12-03): the audit counted a
@@ -39,7 +39,7 @@ def soak_horizon_run(name: str, seed: int) -> RunResult:
     """One guarded run at the soak's horizon, shared by the two tests below: the audit
     observes and never decides (``test_diagnostics_observe.py``), so it is on wherever
     the guard's rules run (not on a vLLM with its own fix)."""
-    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+    from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
 
     quiet_vllm()
     config = CONFIGS[name]
@@ -71,7 +71,7 @@ def test_a_backlog_draining_is_no_stall() -> None:
     stalled run in stock and the guard alike; it was a backlog of 2,006 requests at the
     last arrival, still draining (a request finishing at least every 25 iterations) when
     the fixed drain budget ran out. The budget now restarts whenever a request finishes."""
-    from vllm_prefix_guard.diagnostics.fuzz.cli import quiet_vllm
+    from vllm_prefix_guard_harness.fuzz.cli import quiet_vllm
 
     quiet_vllm()
     config = CONFIGS["hybrid-retry-async"]

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from vllm_prefix_guard.diagnostics.fuzz.configs import ALL_CONFIGS, CONFIGS
-from vllm_prefix_guard.diagnostics.fuzz.generators import (
+from vllm_prefix_guard_harness.fuzz.configs import ALL_CONFIGS, CONFIGS
+from vllm_prefix_guard_harness.fuzz.generators import (
     FailedLoadEpisodes,
     Traffic,
     failed_load_episodes,
     random_traffic,
 )
-from vllm_prefix_guard.diagnostics.fuzz.workload import Abort, Arrive, Reset, Workload, expand
+from vllm_prefix_guard_harness.fuzz.workload import Abort, Arrive, Reset, Workload, expand
 
 
 @pytest.mark.parametrize("config", list(ALL_CONFIGS))

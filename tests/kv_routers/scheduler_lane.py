@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynamo_routers import BLOCK_SIZE, DynamoRouters, free_port
 
 from vllm_prefix_guard import plugin, pool
-from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-from vllm_prefix_guard.diagnostics.pool_index import keys_cached_twice
-from vllm_prefix_guard.diagnostics.shadow_kv import Driver
+from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+from vllm_prefix_guard_harness.pool_index import keys_cached_twice
+from vllm_prefix_guard_harness.shadow_kv import Driver
 
 PROMPT = list(range(1, BLOCK_SIZE + 1))
 

@@ -252,7 +252,7 @@ def elastic_kv_cache_config(spec: Any, *args: Any, **kwargs: Any) -> Any:
 def use_elastic_kv_cache_config() -> None:
     """Make ``factory.make_scheduler`` build KV configs kvcached accepts."""
     global _ORIGINAL_KV_CACHE_CONFIG
-    from vllm_prefix_guard.diagnostics import factory
+    from vllm_prefix_guard_harness import factory
 
     if factory.kv_cache_config is not elastic_kv_cache_config:
         _ORIGINAL_KV_CACHE_CONFIG = factory.kv_cache_config

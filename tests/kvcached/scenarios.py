@@ -121,7 +121,7 @@ class Audit:
 @contextlib.contextmanager
 def audited() -> Iterator[None]:
     """Every scheduler the factory builds meanwhile is audited (:class:`Audit`)."""
-    from vllm_prefix_guard.diagnostics import factory
+    from vllm_prefix_guard_harness import factory
 
     factory.ON_BUILT.append(Audit)
     try:
@@ -182,10 +182,10 @@ def verdict(driver: Any) -> dict[str, Any]:
 
 
 def zombie(async_scheduling: bool) -> Any:
-    """The shared notes' priority-preemption layout (``diagnostics.selftest``)."""
-    from vllm_prefix_guard.diagnostics import selftest
+    """The shared notes' priority-preemption layout (``vllm_prefix_guard_harness.notes_zombie``)."""
+    from vllm_prefix_guard_harness import notes_zombie
 
-    return selftest.zombie_layout(async_scheduling=async_scheduling)
+    return notes_zombie.zombie_layout(async_scheduling=async_scheduling)
 
 
 RUNS: dict[str, Callable[[], Any]] = {
@@ -238,8 +238,8 @@ def run_all() -> dict[str, Any]:
 
 
 def _guarded_pool() -> tuple[Any, Any, Any, Any]:
-    from vllm_prefix_guard.diagnostics import factory
     from vllm_prefix_guard.hooks import guard_of
+    from vllm_prefix_guard_harness import factory
 
     scheduler = factory.make_scheduler(num_blocks=16)
     guard = guard_of(scheduler)
@@ -270,9 +270,9 @@ def duplicates() -> dict[str, Any]:
     of a dropped step: evicted through kvcached's ``evict_blocks``)."""
     from vllm.v1.core.kv_cache_utils import get_block_hash
 
-    from vllm_prefix_guard.diagnostics.factory import make_request, make_scheduler
-    from vllm_prefix_guard.diagnostics.shadow_kv import Driver
     from vllm_prefix_guard.hooks import guard_of
+    from vllm_prefix_guard_harness.factory import make_request, make_scheduler
+    from vllm_prefix_guard_harness.shadow_kv import Driver
 
     scheduler = make_scheduler(num_blocks=40)
     driver = Driver(scheduler)
@@ -342,7 +342,7 @@ def stale(path: str, same_content: bool) -> dict[str, Any]:
     owner's entry must survive (``same_content``: its key is equal, not identical)."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    from vllm_prefix_guard.diagnostics.factory import make_request
+    from vllm_prefix_guard_harness.factory import make_request
 
     _, guard, pool, allocator = _guarded_pool()
     blocks = pool.get_new_blocks(2)
@@ -421,7 +421,7 @@ def legacy_refused() -> dict[str, Any]:
     """kvcached's legacy pool, forced on this vLLM: the guard refuses it at construction."""
     from vllm.v1.core import block_pool
 
-    from vllm_prefix_guard.diagnostics import factory
+    from vllm_prefix_guard_harness import factory
 
     published = getattr(block_pool, "ElasticBlockPool", None)
     block_pool.ElasticBlockPool = kvcached_cpu.legacy_pool_class()
@@ -436,7 +436,7 @@ def engine_gate() -> dict[str, Any]:
     before vLLM's own ``__init__``, so no executor is needed to read its verdict."""
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_prefix_guard.diagnostics.factory import SchedulerSpec, _vllm_config
+    from vllm_prefix_guard_harness.factory import SchedulerSpec, _vllm_config
 
     config = _vllm_config(SchedulerSpec())
     out: dict[str, Any] = {"use_v2_model_runner": getattr(config, "use_v2_model_runner", None)}
@@ -500,7 +500,7 @@ def _where() -> list[str]:
 
 
 def guarded_part(out: dict[str, Any]) -> None:
-    from vllm_prefix_guard.diagnostics import factory
+    from vllm_prefix_guard_harness import factory
 
     out["pool"] = _attempt(factory.make_scheduler)
     out["guarded"] = run_all()
@@ -533,7 +533,7 @@ def main(order: str) -> dict[str, Any]:
         out["guard_patched"] = plugin.apply()
         guarded_part(out)
     elif order == "vllm_pool":
-        from vllm_prefix_guard.diagnostics import factory
+        from vllm_prefix_guard_harness import factory
 
         out["patched_on_import"] = patched_on_import()
         out["doctor"] = doctor()

@@ -45,7 +45,7 @@ def stock_without_kvcached() -> dict[str, dict[str, Any]]:
     """The same layouts on stock vLLM's own pool, in this process (kvcached never loaded)."""
     import layouts
     from vllm_prefix_guard import plugin
-    from vllm_prefix_guard.diagnostics.selftest import zombie_layout
+    from vllm_prefix_guard_harness.notes_zombie import zombie_layout
 
     plugin.undo()
     runs = {
