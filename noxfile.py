@@ -382,7 +382,7 @@ def explore(session: nox.Session) -> None:
     The explorer's full default set of scopes (stock and guard lanes, vLLM 0.32): every
     sequence of events within each scope; its table into docs/fuzzing.md. Fails if the
     guard reads bad KV, its hits differ from clean stock's on a path, or a scope is not
-    explored completely. CI runs the small scope (tests/explore)."""
+    explored completely. CI runs the small scope (tests/harness/explore)."""
     venv = vllm_venv(session, "0.32.0")
     run_in(
         session,

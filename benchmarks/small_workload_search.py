@@ -7,7 +7,7 @@ failed block sits next to blocks that loaded fine, and aborts land while a step 
 flight. Each workload runs guarded with the rollback audit; the search reports every
 workload where the guard reads bad KV, rolls back a valid entry or commits a wrong one,
 as a paste-able ``Workload``. It found the shape pinned by
-``tests/test_kv_load_failure.py::test_partial_failed_loads_read_no_bad_kv``.
+``tests/regression/test_kv_load_failure.py::test_partial_failed_loads_read_no_bad_kv``.
 
 Usage (the Python of a venv with vLLM):
     PYTHONHASHSEED=0 python benchmarks/small_workload_search.py --seed 3 --seconds 300

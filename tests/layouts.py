@@ -143,7 +143,7 @@ def fcfs_preemption_two_in_flight() -> Driver:
     return driver
 
 
-# -- KV events with one key in two blocks (tests/test_kv_events.py, and kvcached's pool) --
+# -- KV events with one key in two blocks (regression/test_kv_events.py, kvcached's pool) --
 
 
 def each_consumer_wrong(replay: KVEventReplay) -> tuple[int, int]:

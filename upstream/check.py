@@ -61,11 +61,11 @@ from vllm_prefix_guard_harness.explore.scope import DEFAULT_SCOPES  # noqa: E402
 #: The project's regression tests of the rollback rules: each shows bad KV on stock and
 #: none guarded; on the whole series they run once, as ``native`` (tests/native_fix.py).
 REGRESSION_TESTS = (
-    "tests/test_preemption.py",
-    "tests/test_kv_load_failure.py",
-    "tests/test_hybrid_kv_load_failure.py",
-    "tests/test_sharing.py",
-    "tests/fuzz/test_soak_regressions.py",
+    "tests/regression/test_preemption.py",
+    "tests/regression/test_kv_load_failure.py",
+    "tests/regression/test_hybrid_kv_load_failure.py",
+    "tests/regression/test_sharing.py",
+    "tests/harness/fuzz/test_soak_regressions.py",
 )
 #: The test of vLLM's that asserts the hazard; part 2 changes it.
 CHANGED_VLLM_TEST = (

@@ -13,7 +13,7 @@ Each part is made of three things, and only the first is written by hand for vLL
 A part's patch is the diff between the tree the earlier parts left and the tree with the
 part applied, so the series applies in order with ``patch -p1`` and no offset or fuzz.
 ``--check`` regenerates into memory and fails if a committed patch differs (CI runs it
-in ``nox -s upstream``); ``tests/test_rules_are_upstream.py`` checks, without vLLM,
+in ``nox -s upstream``); ``tests/repo/test_rules_are_upstream.py`` checks, without vLLM,
 that the patches hold the rules exactly as ``src/`` has them.
 
 Usage (the Python of a venv with vLLM 0.33.0; ``DIR`` from scripts/fetch_vllm_tests.py):

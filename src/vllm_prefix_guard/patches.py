@@ -4,7 +4,7 @@ One :class:`~vllm_prefix_guard.patching.Patch` per target, as vllm-ascend keeps 
 Why / How / PR / Future plan for each of its patches. Everything else reads this table:
 the start-up checks (:func:`vllm_prefix_guard.targets.patch_internals`: each target, with
 the parameters its replacement names), the plugin's install and its one log line per
-patch, ``doctor``, and docs/design.md's registry (``tests/test_patches.py`` fails if that
+patch, ``doctor``, and docs/design.md's registry (``tests/unit/test_patches.py`` fails if that
 page or a patch's reasons fall behind).
 
 "Upstream" names the pull requests against vLLM 0.34.0 in ``upstream/prs/`` (each alone

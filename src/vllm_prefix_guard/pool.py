@@ -12,7 +12,7 @@ Until a scheduler's guard attaches (:func:`attach`), the class-level defaults of
 :class:`PoolState` say no step is open, and every wrapper passes straight through.
 
 Each hot wrapper takes vLLM's exact parameters (the table's, checked on vLLM's method at
-start-up and on the wrapper by ``tests/test_patches.py``) and calls vLLM's function
+start-up and on the wrapper by ``tests/unit/test_patches.py``) and calls vLLM's function
 directly: one plain frame per call.
 """
 
@@ -140,7 +140,7 @@ def overrides_not_calling(cls: type) -> list[str]:
 # Each registering method is wrapped, not ``_insert_block_hash`` (one frame less per
 # registration): a wrapper reads which entries vLLM made from what its call changed, so
 # no test of vLLM's is copied. Only vLLM's offloading tier calls ``_insert_block_hash``
-# directly, on its own CPU pool, which no guard attaches to (tests/test_targets.py pins
+# directly, on its own CPU pool, which no guard attaches to (tests/unit/test_targets.py pins
 # the callers on each tested release).
 
 _block_hash = operator.attrgetter("block_hash")

@@ -201,7 +201,7 @@ INTERNALS: tuple[Internal, ...] = (
 UNCOMMITTED = "vllm.v1.core.sched.uncommitted"
 FAILED_KV_LOADS = "vllm.v1.core.sched.failed_kv_loads"
 #: vLLM's own fix, in the shape the upstream series gives it (the series is the
-#: reference: tests/test_upstream_patch.py applies it and reads these names back), by
+#: reference: tests/repo/test_upstream_patch.py applies it and reads these names back), by
 #: part: the scheduler keeps an ``UncommittedPrefixCache`` whose steps it begins, ends,
 #: commits, resets and rolls back, and the pool removes one uncommitted entry exactly
 #: (part 1, the commit fence); failed KV loads are rolled back and the manager rewinds

@@ -69,7 +69,7 @@ from vllm_prefix_guard.metrics import ROLLBACK_CAUSES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-#: Where the vLLM metric names of a real scrape are kept (``tests/test_dashboard.py`` reads
+#: Where the vLLM metric names of a real scrape are kept (``tests/harness/test_dashboard.py`` reads
 #: them); ``PREFIX_GUARD_UPDATE_FIXTURES=1`` rewrites the file from this module's scrape (not a
 #: ``VLLM_`` name: vLLM warns about every ``VLLM_`` variable it does not know).
 METRIC_NAMES_DIR = Path(__file__).resolve().parents[1] / "data"

@@ -209,7 +209,7 @@ def audited_verdict(run: Callable[[], Any]) -> dict[str, Any]:
 
 
 def kv_event_shapes() -> dict[str, Any]:
-    """The two KV-event shapes of ``tests/test_kv_events.py`` on this process's pool."""
+    """The two KV-event shapes of ``tests/regression/test_kv_events.py`` on this process's pool."""
     out: dict[str, Any] = {}
     for name, shape in (
         ("eviction", layouts.kv_events_eviction_shape),

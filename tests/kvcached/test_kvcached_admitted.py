@@ -115,7 +115,7 @@ def test_fcfs_hits_and_preemptions_equal_kvcached_alone(order: str, run: str) ->
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_kvcached_pool_publishes_no_kv_events(order: str) -> None:
-    """tests/test_kv_events.py's two shapes, KV events requested, on kvcached's pool.
+    """tests/regression/test_kv_events.py's two shapes, KV events requested, on kvcached's pool.
     kvcached 0.1.6 builds its ``ElasticBlockPool`` without ``enable_kv_cache_events``
     (its legacy variant asserts they are off), so an engine on it publishes no block
     events, guarded or not: no stream for a second copy of a key to falsify (the guard's

@@ -2,7 +2,7 @@
 
 :class:`RollbackAudit` is the guard's rules (a subclass of
 :class:`~vllm_prefix_guard.rules.uncommitted.UncommittedPrefixCache` that calls every
-rule it overrides unchanged and only looks: ``tests/fuzz/test_diagnostics_observe.py``
+rule it overrides unchanged and only looks: ``tests/harness/fuzz/test_diagnostics_observe.py``
 proves a run's counters and trajectory equal the plain guard's) run against one fuzz
 run's shadow-KV worker. Every entry the rules remove is classified against the shadow
 KV *as it stands once the dispatched steps ran*: at the end of the latest step

@@ -389,7 +389,7 @@ def _with_eagle(config: FuzzConfig, name: str) -> FuzzConfig:
         config,
         name=name,
         description=f"as {config.name}, with an EAGLE drafter (two draft tokens a step) (CI: "
-        "tests/test_spec_decoding.py)",
+        "tests/regression/test_spec_decoding.py)",
         spec=dataclasses.replace(config.spec, num_speculative_tokens=2, drafter="eagle"),
     )
 
@@ -467,7 +467,7 @@ SOAK_ONLY: dict[str, FuzzConfig] = {
         name: dataclasses.replace(
             config,
             description=f"{config.description} (CI: hybrid-spec-retry-async, "
-            "tests/test_spec_decoding.py)",
+            "tests/regression/test_spec_decoding.py)",
         )
         for name, config in _DRAFTED.items()
         if name not in CONFIGS

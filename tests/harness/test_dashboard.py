@@ -20,7 +20,7 @@ import pytest
 
 from vllm_prefix_guard import metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "prefix-guard-dashboard.json"
 VLLM_NAMES = ROOT / "tests" / "data" / "vllm-metric-names.txt"
 

@@ -11,7 +11,7 @@ from vllm_prefix_guard_harness.explore.mutations import MUTATION_SCOPES
 from vllm_prefix_guard_harness.explore.search import SearchResult
 from vllm_prefix_guard_harness.shadow_kv import STATE_NEVER_WRITTEN
 
-#: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
+#: The session fixture of tests/harness/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]
 
 CAUGHT = (

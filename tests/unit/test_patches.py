@@ -14,7 +14,7 @@ from vllm_prefix_guard import targets
 from vllm_prefix_guard.patches import PATCHES
 from vllm_prefix_guard.patching import Patch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WRAPPERS = [p for p in PATCHES if p.name is not None and not p.wraps_addition]
 
 

@@ -21,7 +21,7 @@ import vllm
 
 from vllm_prefix_guard import targets
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "upstream"))
 
 import tree  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vllm_prefix_guard import targets
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vllm_prefix_guard"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "vllm_prefix_guard"
 #: The guard itself: the package's modules and the rules (the harness is another
 #: distribution, ``harness/``).
 CORE = sorted([*PACKAGE.glob("*.py"), *PACKAGE.glob("rules/*.py")])

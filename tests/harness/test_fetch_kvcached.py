@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_kvcached.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fetch_kvcached.py"
 NAME = "kvcached-0.1.6.tar.gz"
 
 

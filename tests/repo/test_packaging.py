@@ -13,7 +13,7 @@ import pytest
 
 from vllm_prefix_guard import __version__
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Every module the wheel ships. Anything else (the oracle, fuzzer and explorer, the demo,
 #: the e2e harness, the model generator, benchmarks, tests) stays in the repository.

@@ -7,7 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "compat"))
 import install_vllm
 import static_check
 

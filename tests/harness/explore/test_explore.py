@@ -21,7 +21,7 @@ from vllm_prefix_guard_harness.explore.system import (
 from vllm_prefix_guard_harness.fuzz.runner import plugin_restored, run_workload
 from vllm_prefix_guard_harness.shadow_kv import OUTPUT_OVER_BAD_KV
 
-#: The session fixture of tests/explore/conftest.py: (scope, modes) -> exploration.
+#: The session fixture of tests/harness/explore/conftest.py: (scope, modes) -> exploration.
 Explore = Callable[[str, tuple[str, ...]], SearchResult]
 
 BOTH = ("stock", "guard")

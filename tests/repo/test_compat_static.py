@@ -18,7 +18,7 @@ import vllm
 from vllm_prefix_guard import targets
 from vllm_prefix_guard.errors import GuardUnsupportedError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "compat"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "compat"))
 import static_check
 
 SOURCE = static_check.Source.of_tree(Path(vllm.__file__).resolve().parent.parent)
