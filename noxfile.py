@@ -481,7 +481,7 @@ UPSTREAM_WORK = ROOT / ".nox" / "upstream"
 
 
 def _upstream(session: nox.Session, checks: str, *options: str, record: bool = True) -> None:
-    """The series' checks; ``record``: into upstream/results.json and the PR texts, else
+    """The series' checks; ``record``: into upstream/out/results.json and the PR texts, else
     into .nox/ only, checking that the committed texts are those results.json gives."""
     venv = vllm_venv(session, "0.33.0")
     tests = with_vllm_tests(session, venv, "0.33.0", "ci")
@@ -491,7 +491,7 @@ def _upstream(session: nox.Session, checks: str, *options: str, record: bool = T
         session,
         venv,
         "python",
-        str(ROOT / "upstream" / "series.py"),
+        str(ROOT / "upstream" / "tools" / "series.py"),
         "--vllm-tests",
         str(tests),
         "--check",
@@ -500,13 +500,17 @@ def _upstream(session: nox.Session, checks: str, *options: str, record: bool = T
         session,
         venv,
         "python",
-        str(ROOT / "upstream" / "check.py"),
+        str(ROOT / "upstream" / "tools" / "check.py"),
         "--vllm-tests",
         str(tests),
         "--work",
         str(UPSTREAM_WORK),
         "--out",
-        str(ROOT / "upstream" / "results.json" if record else UPSTREAM_WORK / "results-ci.json"),
+        str(
+            ROOT / "upstream" / "out" / "results.json"
+            if record
+            else UPSTREAM_WORK / "results-ci.json"
+        ),
         "--only",
         checks,
         # vllm-suite-ci (run before this in `nox`) already ran vLLM's tests unpatched.
@@ -516,7 +520,7 @@ def _upstream(session: nox.Session, checks: str, *options: str, record: bool = T
         *session.posargs,
     )
     report = [] if record else ["--check"]
-    session.run("python3", str(ROOT / "upstream" / "report.py"), *report, external=True)
+    session.run("python3", str(ROOT / "upstream" / "tools" / "report.py"), *report, external=True)
 
 
 @nox.session(python=False)
@@ -540,14 +544,14 @@ def upstream(session: nox.Session) -> None:
 
 @nox.session(name="upstream-prs", python=False)
 def upstream_prs(session: nox.Session) -> None:
-    """The pull requests against vLLM 0.34 (upstream/prs/): up to date, tests both ways; 3 min.
+    """The pull requests against vLLM 0.34 (upstream/out/prs/): up to date, tests both ways; 3 min.
 
-    Each patch is what ``upstream/prs.py`` writes from the call sites and tests, and each
+    Each patch is what ``upstream/tools/prs.py`` writes from the call sites and tests, and each
     pull request's tests fail on stock vLLM 0.34.0 and pass with it. Its oracle proof
-    (the fuzzer with the patched vLLM as stock) is ``python upstream/prs.py --prove``."""
+    (the fuzzer with the patched vLLM as stock) is ``python upstream/tools/prs.py --prove``."""
     venv = vllm_venv(session, "0.34.0")
     tests = with_vllm_tests(session, venv, "0.34.0", "ci")
-    prs = str(ROOT / "upstream" / "prs.py")
+    prs = str(ROOT / "upstream" / "tools" / "prs.py")
     work = str(ROOT / ".nox" / "upstream" / "prs")
     run_in(session, venv, "python", prs, "--vllm-tests", str(tests), "--check")
     run_in(
@@ -560,12 +564,12 @@ def upstream_prs(session: nox.Session) -> None:
 def upstream_full(session: nox.Session) -> None:
     """The upstream series' full proof on vLLM 0.33, into results.json; 15 min.
 
-    The upstream series (upstream/series/) on vLLM 0.33.0, each prefix of it: the patches
+    The upstream series (upstream/out/series/) on vLLM 0.33.0, each prefix of it: the patches
     are up to date with the rules, each part's tests pass with it and fail without, the
     series alone reads no bad KV (regression tests, fuzzer on seeds 0-2) with the guard's
     hits and preemptions and part 1 alone in every configuration without failed loads,
     vLLM's own tests (selection ci) still pass, the guard steps aside for the series and
-    refuses part of it; rewrites upstream/results.json and the PR texts."""
+    refuses part of it; rewrites upstream/out/results.json and the PR texts."""
     _upstream(session, "a,b,c,d")
 
 
@@ -574,7 +578,7 @@ def upstream_bench(session: nox.Session) -> None:
     """The upstream series' step cost under callgrind (vLLM 0.33); 15 min.
 
     The upstream patch's step cost: instructions per step at 256 running (callgrind;
-    about 15 minutes on two cores), into upstream/results.json and its README."""
+    about 15 minutes on two cores), into upstream/out/results.json and its README."""
     _upstream(session, "e")
 
 

@@ -7,8 +7,8 @@ the parameters its replacement names), the plugin's install and its one log line
 patch, ``doctor``, and docs/design.md's registry (``tests/unit/test_patches.py`` fails if that
 page or a patch's reasons fall behind).
 
-"Upstream" names the pull requests against vLLM 0.34.0 in ``upstream/prs/`` (each alone
-upstreamable) and the parts of the series against 0.33.0 (``upstream/series/``). The
+"Upstream" names the pull requests against vLLM 0.34.0 in ``upstream/out/prs/`` (each alone
+upstreamable) and the parts of the series against 0.33.0 (``upstream/out/series/``). The
 guard steps aside by itself for a vLLM that has the series (``targets.native_fix``).
 
 Imports nothing of vLLM: ``compat/static_check.py`` reads the targets from a release's
@@ -29,7 +29,7 @@ _POOL = "vllm_prefix_guard.pool"
 _PART_1 = "series part 1 (0001-commit-prefix-cache-entries-once-written)"
 _PART_2 = "series part 2 (0002-roll-back-failed-kv-loads)"
 _PART_3 = "series part 3 (0003-emit-block-removed-for-the-last-copy)"
-_GONE_WITH_PART_1 = "vLLM carries series part 1, or the four pull requests in upstream/prs/"
+_GONE_WITH_PART_1 = "vLLM carries series part 1, or the four pull requests in upstream/out/prs/"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(

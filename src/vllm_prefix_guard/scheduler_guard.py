@@ -2,7 +2,7 @@
 
 :class:`SchedulerGuard` is what the scheduler hooks (:mod:`vllm_prefix_guard.hooks`)
 call into. Each of its methods stands for one call the upstream series adds to vLLM's
-``Scheduler`` (``upstream/series.py``) and runs the same rule of
+``Scheduler`` (``upstream/tools/series.py``) and runs the same rule of
 :mod:`vllm_prefix_guard.rules`; around it, it counts what the rule did, from the
 pool's counters, for ``/metrics`` and the shutdown line. It decides nothing the series
 does not.

@@ -197,7 +197,7 @@ INTERNALS: tuple[Internal, ...] = (
     patch_internals() + POOL_INTERNALS + RARE_PATH_INTERNALS + RULES_IMPORTS
 )
 
-#: The modules vLLM's own fix adds (upstream/series/).
+#: The modules vLLM's own fix adds (upstream/out/series/).
 UNCOMMITTED = "vllm.v1.core.sched.uncommitted"
 FAILED_KV_LOADS = "vllm.v1.core.sched.failed_kv_loads"
 #: vLLM's own fix, in the shape the upstream series gives it (the series is the

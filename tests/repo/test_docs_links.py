@@ -20,7 +20,8 @@ DOCUMENTS = sorted(
         ROOT / "benchmarks" / "README.md",
         *(ROOT / "docs").glob("*.md"),
         ROOT / "upstream" / "README.md",
-        *(ROOT / "upstream" / "series").glob("*.md"),
+        *(ROOT / "upstream" / "out" / "series").glob("*.md"),
+        *(ROOT / "upstream" / "out" / "prs").glob("*.md"),
     }
 )
 

@@ -67,7 +67,7 @@ def test_the_pattern_finds_machine_paths(line: str) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    ["python upstream/tree.py --out .nox/upstream", "/tmp/tiny-llama", "~/.cache/x"],
+    ["python upstream/tools/tree.py --out .nox/upstream", "/tmp/tiny-llama", "~/.cache/x"],
 )
 def test_the_pattern_leaves_portable_paths(line: str) -> None:
     assert not MACHINE_PATH.search(line)

@@ -1,12 +1,12 @@
 """The plugin, the upstream series and the pull requests run one copy of the rules.
 
-``upstream/series.py`` writes ``src/vllm_prefix_guard/rules`` into vLLM: whole modules
+``upstream/tools/series.py`` writes ``src/vllm_prefix_guard/rules`` into vLLM: whole modules
 become new vLLM files, classes lend their methods to vLLM's classes, the entry types go
 before ``BlockHashToBlockMap``. Here the committed series is read back, without vLLM:
 each new file, once every part is applied, is the rules module line for line, and each
 method and name stands in its part's patch as the rules have it. Only the license
 header and the import lines may differ. The pull requests against vLLM 0.34.0
-(``upstream/prs.py``) are read back the same way. (``nox -s upstream`` and ``nox -s
+(``upstream/tools/prs.py``) are read back the same way. (``nox -s upstream`` and ``nox -s
 upstream-prs`` also regenerate the patches from vLLM and fail if a committed one is
 stale.)
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "upstream"))
+sys.path.insert(0, str(ROOT / "upstream" / "tools"))
 
 import prs  # noqa: E402
 import series  # noqa: E402

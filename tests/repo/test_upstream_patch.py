@@ -1,7 +1,7 @@
 """The native-fix shape the guard looks for is the upstream series' API, read from it.
 
 ``targets.NATIVE_FIX`` names what the guard must find to step aside; the upstream series
-(``upstream/series/*.patch``, in order) is the reference. Here the series is applied to
+(``upstream/out/series/*.patch``, in order) is the reference. Here the series is applied to
 the installed vLLM's sources (vLLM 0.33.0, the release it is made for) and every name is
 read back from the patched code with ``ast``: the class, the method and its parameters,
 or the attribute its constructor sets. ``nox -s upstream`` then checks the live
@@ -22,7 +22,7 @@ import vllm
 from vllm_prefix_guard import targets
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "upstream"))
+sys.path.insert(0, str(ROOT / "upstream" / "tools"))
 
 import tree  # noqa: E402
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 def patched_sources(tmp_path: Path) -> dict[str, ast.Module]:
     """Module name -> the parsed patched source of every ``vllm/`` file the series
     touches, its parts applied in order."""
-    assert tree.SERIES, "upstream/series holds no patch"
+    assert tree.SERIES, "upstream/out/series holds no patch"
     package = tree.installed_vllm()
     touched: list[str] = []
     for patch in tree.SERIES:

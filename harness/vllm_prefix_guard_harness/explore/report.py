@@ -52,7 +52,7 @@ def table(results: Sequence[SearchResult]) -> str:
 
 
 def summary(result: SearchResult) -> dict[str, Any]:
-    """One scope's figures, as ``explore --json`` writes them (``upstream/check.py``
+    """One scope's figures, as ``explore --json`` writes them (``upstream/tools/check.py``
     reads them for the series)."""
     return {
         "scope": result.scope.name,

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the upstream series adds to vLLM's `BlockPool`, verbatim.
 
-`upstream/series.py` copies the type aliases into `vllm/v1/core/block_pool.py`
+`upstream/tools/series.py` copies the type aliases into `vllm/v1/core/block_pool.py`
 and the methods of `BlockPoolAdditions` into `BlockPool`; the plugin's pool
 mixin inherits them.
 """

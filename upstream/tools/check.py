@@ -3,7 +3,7 @@
 and does what its part claims, vLLM's own tests still pass, and the guard steps aside for
 the whole series and refuses to run beside part of it.
 
-Builds one vLLM tree per prefix of ``upstream/series/`` (``tree.py``: no part, part 1,
+Builds one vLLM tree per prefix of ``upstream/out/series/`` (``tree.py``: no part, part 1,
 parts 1-2, ...), each with every part's vLLM-style tests added where vLLM keeps them, then:
 
 a. each part's tests fail on the tree before it and pass on every tree with it;
@@ -27,7 +27,7 @@ Writes ``--out`` (JSON: every figure and verdict) and exits 1 if any check faile
 the Python of the vLLM 0.33.0 venv, from anywhere.
 
 Usage:
-    python upstream/check.py --vllm-tests DIR --work DIR --out upstream/results.json
+    python upstream/tools/check.py --vllm-tests DIR --work DIR --out upstream/out/results.json
         [--seeds 3] [--selection ci] [--only a,b,c,d] [--suite-on-series-only]
         [--explore-scope NAME ...]
 """
@@ -47,9 +47,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+HERE = Path(__file__).resolve().parent  # upstream/tools
+UPSTREAM = HERE.parent
+INPUTS = UPSTREAM / "inputs"  # written by hand: call sites, PR templates, vLLM-style tests
+OUT = UPSTREAM / "out"  # written by the tools: patches, PR texts, results
+ROOT = UPSTREAM.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(INPUTS))
 sys.path.insert(0, str(ROOT / "tests" / "vllm_suite"))
 
 import tree  # noqa: E402
@@ -91,7 +95,7 @@ def tree_names() -> dict[str, int]:
 
 def part_tests(part: Path) -> list[str]:
     """The vLLM-style test files a part adds, by their path in vLLM's tree."""
-    directory = HERE / "parts" / part.stem
+    directory = INPUTS / "parts" / part.stem
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("test_*.py"))
 
 
@@ -599,14 +603,14 @@ def main(argv: list[str] | None = None) -> int:
     for patch in tree.SERIES:
         for test in part_tests(patch):
             for tree_dir in trees.values():
-                (tree_dir / test).write_text((HERE / "parts" / patch.stem / test).read_text())
+                (tree_dir / test).write_text((INPUTS / "parts" / patch.stem / test).read_text())
     env = Env(work / "hf-home")
     # Checks not run this time keep their last results (the step cost is measured apart).
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.update(
         vllm=tree.installed_version(),
         series=[
-            {"file": f"upstream/series/{patch.name}", **tree.patch_stats(patch)}
+            {"file": f"upstream/out/series/{patch.name}", **tree.patch_stats(patch)}
             for patch in tree.SERIES
         ],
     )

@@ -1,7 +1,7 @@
 """Where the upstream series calls the rules: the only hand-written lines of each part.
 
 Everything else a part adds to vLLM comes from the project's rules
-(``src/vllm_prefix_guard/rules``) or its vLLM-style tests (``upstream/parts/``), written
+(``src/vllm_prefix_guard/rules``) or its vLLM-style tests (``upstream/inputs/parts/``), written
 in by ``series.py``. Each :class:`Edit` replaces one exact, unique piece of a vLLM
 0.33.0 file (as the earlier parts left it); ``series.py`` fails if the piece is not
 there exactly once.

@@ -8,7 +8,7 @@ version, unpacked by ``scripts/fetch_vllm_tests.py``). With the tree first on
 ``PYTHONPATH``, ``import vllm`` runs the patched sources.
 
 Usage:
-    python upstream/tree.py --vllm-tests DIR --out DIR [--parts N | --patch FILE ...]
+    python upstream/tools/tree.py --vllm-tests DIR --out DIR [--parts N | --patch FILE ...]
 
 Standard library only; run with the Python of the venv whose vLLM is to be patched.
 """
@@ -23,9 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # upstream/tools
 #: The upstream series, in order (series.py writes them).
-SERIES = sorted((HERE / "series").glob("*.patch"))
+SERIES = sorted((HERE.parent / "out" / "series").glob("*.patch"))
 
 
 def installed_vllm() -> Path:
