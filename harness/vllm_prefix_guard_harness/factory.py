@@ -17,19 +17,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-VOCAB_SIZE = 1024
-TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 8192,
-    "torch_dtype": "float16",
-}
+from vllm_prefix_guard.selftest import TINY_LLAMA
+
+#: The tiny Llama of ``doctor --self-test``: a ``config.json`` with a registered architecture.
+TINY_LLAMA_CONFIG: dict[str, Any] = TINY_LLAMA
+VOCAB_SIZE: int = TINY_LLAMA["vocab_size"]
 FAKE_CONNECTOR_NAME = "PrefixGuardFakeLoadConnector"
 #: Called with every scheduler :func:`make_scheduler` builds, before it is returned: a
 #: harness that observes each one (the kvcached runs' index audit) hooks in here rather

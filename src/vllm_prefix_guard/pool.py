@@ -207,16 +207,7 @@ def wrap_cache_partial_block(original: AnyFn) -> AnyFn:
         block_size: int,
         replace_existing_hashes: bool = False,
     ) -> Any:
-        if self.uncommitted_entries is None and not self._guard_events:
-            return original(
-                self,
-                request,
-                block,
-                num_tokens,
-                kv_cache_group_id,
-                block_size,
-                replace_existing_hashes,
-            )
+        # Rare (hybrid models' state blocks): read what the call changed on every pool.
         primary = block.block_hash
         known = len(self.cached_block_hashes_by_block.get(block.block_id, ()))
         queued = len(self.kv_event_queue) if self._guard_events else 0

@@ -20,7 +20,7 @@ from typing import Any
 BLOCK_SIZE = 16
 #: A config.json with a registered architecture is all ``ModelConfig`` needs without a
 #: tokenizer: no weights, no hub.
-TINY_LLAMA = {
+TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,
