@@ -4,6 +4,7 @@ harness (oracle, fuzzer, explorer, demo) is a second distribution, ``harness/``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -48,12 +49,20 @@ PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isol
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [*PIP_WHEEL, "-w", str(out), str(ROOT)],
+    """The wheel built from the files git tracks, copied apart: setuptools builds in the
+    tree's ``build/``, where a module removed since an earlier build would still be."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    tracked = subprocess.run(
+        ["git", "ls-files", "pyproject.toml", "README.md", "LICENSE", "src"],
+        cwd=ROOT,
         check=True,
         capture_output=True,
-    )
+        text=True,
+    ).stdout.split()
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    subprocess.run([*PIP_WHEEL, "-w", str(out), str(source)], check=True, capture_output=True)
     (built,) = out.glob("vllm_prefix_guard-*.whl")
     return built
 
