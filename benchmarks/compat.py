@@ -368,7 +368,7 @@ def run_fuzz(
 ) -> dict[str, Any]:
     """fuzz in every mode; if the guard cannot apply (exit 2), stock alone."""
     base = [
-        str(venv / "bin" / "vllm-prefix-guard"),
+        str(venv / "bin" / "vllm-prefix-guard-harness"),
         "fuzz",
         "--json",
         "--shrink-seconds",
@@ -379,7 +379,7 @@ def run_fuzz(
     if args.seeds:
         base += ["--seeds", str(args.seeds)]
     timeout = max(1800.0, 20 * args.seconds)
-    result: dict[str, Any] = {"command": " ".join(["vllm-prefix-guard", *base[1:]])}
+    result: dict[str, Any] = {"command": " ".join(["vllm-prefix-guard-harness", *base[1:]])}
     out = workdir / "fuzz.json"
     rc, seconds = run(base, log, timeout=timeout, env=env, cwd=workdir, stdout_to=out)
     result.update(rc=rc, seconds=seconds)
@@ -390,7 +390,7 @@ def run_fuzz(
         match = REFUSED_RE.search(result["refused"] or "")
         result["refused_internal"] = match.group(1) if match else None
         stock = [*base, "--modes", "stock"]
-        result["command_stock"] = " ".join(["vllm-prefix-guard", *stock[1:]])
+        result["command_stock"] = " ".join(["vllm-prefix-guard-harness", *stock[1:]])
         rc, seconds = run(stock, log, timeout=timeout, env=env, cwd=workdir, stdout_to=out)
         result.update(rc_stock=rc, seconds_stock=seconds)
     if rc in (0, 1):
@@ -407,7 +407,9 @@ def run_fuzz(
     return result
 
 
-def run_release(minor: str, version: str | None, wheel: Path, args: argparse.Namespace) -> dict:
+def run_release(
+    minor: str, version: str | None, wheels: list[Path], args: argparse.Namespace
+) -> dict:
     """Install, doctor, fuzz, remove: one release."""
     entry: dict[str, Any] = {
         "minor": minor,
@@ -447,7 +449,7 @@ def run_release(minor: str, version: str | None, wheel: Path, args: argparse.Nam
         if rc == 0:
             rc, _ = run([*pip, "uninstall", "-y", *BREAKS_VLLM_IMPORT], log, timeout=600)
         if rc == 0:
-            rc, _ = run([*pip, "install", "-q", "--no-deps", str(wheel)], log, timeout=600)
+            rc, _ = run([*pip, "install", "-q", "--no-deps", *map(str, wheels)], log, timeout=600)
             if rc != 0:
                 install["error"] = f"installing the project failed: {log_tail(log, '$ ', 5)}"
         install["ok"] = rc == 0 and "error" not in install
@@ -726,14 +728,14 @@ def write(document: dict[str, Any], out_dir: Path, doc: Path | None) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def build_wheel(python: str, into: Path) -> Path:
-    """This checkout as a wheel, once for every venv."""
-    subprocess.run(
-        [python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(into), str(ROOT)],
-        check=True,
-    )
-    (wheel,) = into.glob("vllm_prefix_guard-*.whl")
-    return wheel
+def build_wheels(python: str, into: Path) -> list[Path]:
+    """This checkout as wheels, once for every venv: the guard and its harness (the fuzzer)."""
+    for source in (ROOT, ROOT / "harness"):
+        subprocess.run(
+            [python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(into), str(source)],
+            check=True,
+        )
+    return sorted(into.glob("vllm_prefix_guard*.whl"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -800,9 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     fresh: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="compat-wheel-", dir=args.workdir) as tmp:
-        wheel = build_wheel(args.python, Path(tmp))
+        wheels = build_wheels(args.python, Path(tmp))
         for minor, version in plan.items():
-            fresh.append(run_release(minor, version, wheel, args))
+            fresh.append(run_release(minor, version, wheels, args))
             partial = merge(previous, fresh, run_info, args.fresh, started)
             write(partial, args.out_dir, None)  # after each release: a crash keeps the rest
     document = merge(previous, fresh, run_info, args.fresh, started)

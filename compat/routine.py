@@ -182,7 +182,7 @@ class Routine:
     def fuzz(self) -> dict[str, Any]:
         out = self.work / "fuzz.json"
         cmd = [
-            str(self.bin / "vllm-prefix-guard"),
+            str(self.bin / "vllm-prefix-guard-harness"),
             "fuzz",
             "--json",
             "--seeds",
@@ -207,7 +207,7 @@ class Routine:
 
     def explore(self) -> dict[str, Any]:
         out = self.work / "explore.json"
-        cmd = [str(self.bin / "vllm-prefix-guard"), "explore", "--json", str(out)]
+        cmd = [str(self.bin / "vllm-prefix-guard-harness"), "explore", "--json", str(out)]
         rc, _ = run_logged(cmd, self.log, self.env, 14400)
         scopes = json.loads(out.read_text())["scopes"] if out.exists() else []
         violations = {

@@ -230,7 +230,7 @@ def vllm_ruff(tree_dir: Path, work: Path) -> dict[str, Any]:
 
 def fuzz(tree_dir: Path | None, modes: str, seeds: int, env: dict, work: Path, name: str):
     out = work / f"{name}.json"
-    command = Path(sys.executable).parent / "vllm-prefix-guard"
+    command = Path(sys.executable).parent / "vllm-prefix-guard-harness"
     cmd = [str(command), "fuzz", "--seeds", str(seeds)]
     cmd += ["--modes", modes, "--json", "--shrink-seconds", "0"]
     log = work / f"{name}.log"
@@ -249,7 +249,7 @@ def explore(
     patch (guard off): each scope's figures, every sequence of events within its bounds."""
     out = work / f"{name}.json"
     out.unlink(missing_ok=True)
-    command = Path(sys.executable).parent / "vllm-prefix-guard"
+    command = Path(sys.executable).parent / "vllm-prefix-guard-harness"
     cmd = [str(command), "explore", "--modes", "stock", "--json", str(out)]
     for scope in scopes:
         cmd += ["--scope", scope]
