@@ -9,7 +9,8 @@ attribute storage (re-classing one costs +1.5% instructions per scheduler step a
 running) or its identity (vLLM 0.34's blocks hold a weak reference to their pool).
 
 Until a scheduler's guard attaches (:func:`attach`), the class-level defaults of
-:class:`PoolState` say no step is open, and every wrapper passes straight through.
+:class:`PoolState` say no step is open and KV events are not rewritten: the wrappers
+record nothing.
 
 Each hot wrapper takes vLLM's exact parameters (the table's, checked on vLLM's method at
 start-up and on the wrapper by ``tests/unit/test_patches.py``) and calls vLLM's function
