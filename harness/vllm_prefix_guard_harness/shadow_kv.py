@@ -46,7 +46,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from vllm_prefix_guard_harness.factory import VOCAB_SIZE, model_runner_output
+from vllm_prefix_guard.selftest import model_runner_output
+from vllm_prefix_guard_harness.factory import VOCAB_SIZE
 
 NEVER_WRITTEN = "never_written"
 WRONG_CONTENT = "wrong_content"

@@ -11,6 +11,8 @@ entries of the step it never ran (C and the resumed A hit them); the guard remov
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -34,22 +36,55 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+@functools.cache
+def model_dir() -> str:
+    """The tiny Llama's directory (its ``config.json`` only), made once per process."""
+    path = Path(tempfile.gettempdir()) / "vllm-prefix-guard-scheduler-model"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+def make_vllm_config(**configs: Any) -> Any:
+    """``VllmConfig(**configs)``; the GPU wheel on a GPU-less machine cannot infer a device,
+    and the scheduler never touches it, so name one."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    try:
+        return VllmConfig(**configs)
+    except RuntimeError as exc:
+        if "device" not in str(exc).lower():
+            raise
+        return VllmConfig(**configs, device_config=DeviceConfig(device="cuda"))
+
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
+    """A ``ModelRunnerOutput`` listing ``req_ids`` in batch order, as a runner returns it.
+
+    vLLM 0.30-0.33 also take the index of each (``req_id_to_index``); 0.34 finds a
+    request's output by its position in ``req_ids``.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
 def make_scheduler() -> Any:
     """vLLM's ``Scheduler`` for the layout: one full-attention group, no tensors."""
     import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    model_dir = Path(tempfile.mkdtemp(prefix="vllm-prefix-guard-self-test-"))
-    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    configs = {
-        "model_config": ModelConfig(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=4096
+    vllm_config = make_vllm_config(
+        model_config=ModelConfig(
+            model=model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=4096
         ),
-        "scheduler_config": SchedulerConfig(
+        scheduler_config=SchedulerConfig(
             max_num_seqs=8,
             max_num_batched_tokens=256,
             max_model_len=4096,
@@ -58,14 +93,8 @@ def make_scheduler() -> Any:
             policy="priority",
             long_prefill_token_threshold=64,
         ),
-        "cache_config": CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-    }
-    try:
-        vllm_config = VllmConfig(**configs)
-    except RuntimeError:  # a GPU wheel without a GPU infers no device; none is touched
-        from vllm.config import DeviceConfig
-
-        vllm_config = VllmConfig(**configs, device_config=DeviceConfig(device="cuda"))
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+    )
     vllm_config.scheduler_config.async_scheduling = False  # the CPU platform's setting
     vllm_config.cache_config.num_gpu_blocks = 20
     spec = FullAttentionSpec(
@@ -109,10 +138,7 @@ class Runner:
         self.block_contents: dict[int, Any] = {}  # block ID -> the key of what it holds
 
     def run(self, scheduler_output: Any) -> Any:
-        import dataclasses
-
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-        from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids, sampled = [], []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -125,10 +151,7 @@ class Runner:
                 self.block_contents[block_ids[i]] = key
             req_ids.append(req_id)
             sampled.append([7] if computed >= request.num_tokens else [])
-        fields: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled}
-        if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
-            fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}  # vLLM < 0.34
-        return ModelRunnerOutput(**fields)
+        return model_runner_output(req_ids, sampled_token_ids=sampled)
 
     def entries_never_written(self) -> int:
         """Cached blocks whose hash names tokens no step that ran wrote into them."""
