@@ -25,5 +25,6 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_prefix_guard_harness.explore.cli import main as explore_main
 
         return explore_main(arguments[1:], reexec=argv is None)
-    print(USAGE, file=sys.stdout if arguments[:1] in (["-h"], ["--help"]) else sys.stderr)
-    return 0 if arguments[:1] in (["-h"], ["--help"]) else 2
+    asked = arguments[:1] in (["-h"], ["--help"])
+    print(USAGE, file=sys.stdout if asked else sys.stderr)
+    return 0 if asked else 2

@@ -47,22 +47,25 @@ GUARD = {
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q")
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel built from the files git tracks, copied apart: setuptools builds in the
+def build_from_tracked(source: Path, out: Path, package: str, *paths: str) -> None:
+    """Build the wheel of ``package`` (a folder of the repository) into ``out`` from the
+    files git tracks under ``paths``, copied into ``source``: setuptools builds in the
     tree's ``build/``, where a module removed since an earlier build would still be."""
-    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     tracked = subprocess.run(
-        ["git", "ls-files", "pyproject.toml", "README.md", "LICENSE", "src"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
+        ["git", "ls-files", *paths], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout.split()
     for name in tracked:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, source / name)
-    subprocess.run([*PIP_WHEEL, "-w", str(out), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [*PIP_WHEEL, "-w", str(out), str(source / package)], check=True, capture_output=True
+    )
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    build_from_tracked(source, out, ".", "pyproject.toml", "README.md", "LICENSE", "src")
     (built,) = out.glob("vllm_prefix_guard-*.whl")
     return built
 
@@ -167,9 +170,7 @@ def test_the_readme_gives_the_wheels_size(wheel: Path) -> None:
 
 
 def test_the_harness_is_a_distribution_of_its_own(tmp_path: Path) -> None:
-    subprocess.run(
-        [*PIP_WHEEL, "-w", str(tmp_path), str(ROOT / "harness")], check=True, capture_output=True
-    )
+    build_from_tracked(tmp_path / "source", tmp_path, "harness", "harness")
     (built,) = tmp_path.glob("vllm_prefix_guard_harness-*.whl")
     packages = {name.split("/")[0] for name in zipfile.ZipFile(built).namelist()}
     assert {"vllm_prefix_guard_harness", "guard_demo"} <= packages
