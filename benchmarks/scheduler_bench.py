@@ -229,18 +229,18 @@ class TimedDriver(MeteredDriver):
 
     def __init__(self, scheduler: Any, depth: int, guard: Any) -> None:
         super().__init__(scheduler, depth, sample=sampled_token)
-        # The guarded pool counts the entries it records (None: the stock column).
-        self.pool = guard.pool if guard is not None else None
+        # The guard counts the entries each step recorded (None: the stock column).
+        self.stats = guard.stats if guard is not None else None
         self.profiler: cProfile.Profile | None = None
         self.schedule_ns = self.update_ns = self.cpu_ns = 0
         self.max_registrations_per_step = 0
 
     def call_schedule(self) -> Any:
-        pool = self.pool
-        tracked = pool.registrations_tracked if pool is not None else 0
+        stats = self.stats
+        tracked = stats.registrations_tracked if stats is not None else 0
         output, self.schedule_ns = self._timed(self.scheduler.schedule)
-        if pool is not None:
-            registered = pool.registrations_tracked - tracked
+        if stats is not None:
+            registered = stats.registrations_tracked - tracked
             if registered > self.max_registrations_per_step:
                 self.max_registrations_per_step = registered
         return output

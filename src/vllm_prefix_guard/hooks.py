@@ -136,7 +136,7 @@ def wrap_init(original: AnyFn) -> AnyFn:
 def wrap_schedule(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        guard = guard_of(self)
+        guard = getattr(self, GUARD_ATTR, None)  # guard_of, inline: once per step
         if guard is None:
             return original(self, *args, **kwargs)
         guard.begin_step()
@@ -174,7 +174,7 @@ def wrap_update_from_output(original: AnyFn) -> AnyFn:
     def update_from_output(
         self: Any, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        guard = guard_of(self)
+        guard = getattr(self, GUARD_ATTR, None)  # guard_of, inline: once per step
         if guard is None:
             return original(self, scheduler_output, model_runner_output, *args, **kwargs)
         kv_output = model_runner_output.kv_connector_output

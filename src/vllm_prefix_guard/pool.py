@@ -44,8 +44,8 @@ class PoolState:
     _guard_events = False
     #: A scheduler's guard attached to the pool (:func:`attach`).
     guard_attached = False
-    #: Entries recorded; entries removed that were still cached, and that were not.
-    registrations_tracked = 0
+    #: Entries removed that were still cached, and that were not (the scheduler's guard
+    #: counts those recorded, per step).
     guard_removed = 0
     stale_entries_skipped = 0
 
@@ -63,7 +63,7 @@ def attach(pool: Any) -> Any:
     if not pool.guard_attached:
         pool.uncommitted_entries = None
         pool.kept_block_owners = set()
-        pool.registrations_tracked = pool.guard_removed = pool.stale_entries_skipped = 0
+        pool.guard_removed = pool.stale_entries_skipped = 0
         pool._guard_events = bool(pool.enable_kv_cache_events)
         pool.guard_attached = True
     return pool
@@ -143,11 +143,27 @@ def overrides_not_calling(cls: type) -> list[str]:
 # no test of vLLM's is copied. Only vLLM's offloading tier calls ``_insert_block_hash``
 # directly, on its own CPU pool, which no guard attaches to (tests/unit/test_targets.py pins
 # the callers on each tested release).
+#
+# The hot path (a step records, the call fills one block: most of a decode step's calls)
+# costs one tuple and no Python frame besides the wrapper's own; the scheduler's guard
+# counts the entries per step (``SchedulerGuard.end_step``), not per call.
 
-_block_hash = operator.attrgetter("block_hash")
+
+def block_hash_getter() -> AnyFn:
+    """``block.block_hash`` as a C call: on the field behind vLLM's property where the
+    property returns it (0.30-0.33: a Python frame per read, two per registration
+    here), else the attribute itself (0.34 made it a plain field)."""
+    probe = targets.resolve(targets.KV_CACHE_UTILS, "KVCacheBlock")(0)
+    try:
+        probe._block_hash = marker = object()
+    except AttributeError:  # slots, and no such field
+        return operator.attrgetter("block_hash")
+    return operator.attrgetter("_block_hash" if probe.block_hash is marker else "block_hash")
 
 
 def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
+    block_hash = block_hash_getter()
+
     @functools.wraps(original)
     def cache_full_blocks(
         self: Any,
@@ -170,31 +186,71 @@ def wrap_cache_full_blocks(original: AnyFn) -> AnyFn:
                 self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                 kv_cache_group_id, block_mask,
             )  # fmt: skip
-        new_blocks = blocks[num_cached_blocks:num_full_blocks]
-        hashes_before = list(map(_block_hash, new_blocks))
-        queued = len(self.kv_event_queue) if self._guard_events else 0
+        if num_full_blocks - num_cached_blocks != 1 or self._guard_events:
+            return cache_and_record_full_blocks(
+                original, block_hash, self, request, blocks, num_cached_blocks, num_full_blocks,
+                block_size, kv_cache_group_id, block_mask,
+            )  # fmt: skip
+        # One block filled (a decode step's usual call): the same, unrolled.
+        block = blocks[num_cached_blocks]
+        before = block_hash(block)
         result = original(
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
-        # A block vLLM gave a new primary hash is a new entry (a full block has no
-        # other); null and masked blocks keep theirs.
-        new = []
-        num_tokens = num_cached_blocks * block_size
-        for block, before in zip(new_blocks, hashes_before, strict=True):
-            num_tokens += block_size
-            key = block.block_hash
-            if key is not before and key is not None:
-                new.append((key, block, num_tokens))
-        if new:
-            if entries is not None:  # record_entries, inline on the hot path
-                entries.setdefault(request.request_id, []).extend(new)
-                self.registrations_tracked += len(new)
-            if self._guard_events:
-                store_first_copies(self, queued, new, num_cached_blocks, block_size)
+        key = block_hash(block)
+        if key is not before and key is not None:
+            entries.setdefault(request.request_id, []).append(
+                (key, block, num_full_blocks * block_size)
+            )
         return result
 
     return cache_full_blocks
+
+
+def cache_and_record_full_blocks(
+    original: AnyFn,
+    block_hash: AnyFn,
+    pool: Any,
+    request: Any,
+    blocks: Any,
+    num_cached_blocks: int,
+    num_full_blocks: int,
+    block_size: int,
+    kv_cache_group_id: int,
+    block_mask: Any,
+) -> Any:
+    """Call vLLM's ``cache_full_blocks`` and record the entries it made.
+
+    A block vLLM gave a new primary hash is a new entry (a full block has no other);
+    null and masked blocks keep theirs. The entries, (hash, block, number of tokens the
+    hash names), are built per block in C.
+    """
+    entries = pool.uncommitted_entries
+    new_blocks = blocks[num_cached_blocks:num_full_blocks]
+    hashes_before = list(map(block_hash, new_blocks))
+    queued = len(pool.kv_event_queue) if pool._guard_events else 0
+    result = original(
+        pool, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+        kv_cache_group_id, block_mask,
+    )  # fmt: skip
+    hashes = list(map(block_hash, new_blocks))
+    tokens = range(
+        (num_cached_blocks + 1) * block_size, num_full_blocks * block_size + 1, block_size
+    )
+    new = list(zip(hashes, new_blocks, tokens, strict=True))
+    if None in hashes or True in map(operator.is_, hashes, hashes_before):
+        new = [
+            entry
+            for entry, before in zip(new, hashes_before, strict=True)
+            if entry[0] is not None and entry[0] is not before
+        ]
+    if new:
+        if entries is not None:
+            entries.setdefault(request.request_id, []).extend(new)
+        if pool._guard_events:
+            store_first_copies(pool, queued, new, num_cached_blocks, block_size)
+    return result
 
 
 def wrap_cache_partial_block(original: AnyFn) -> AnyFn:
@@ -258,7 +314,6 @@ def record_entries(pool: Any, request_id: str | None, new: list[Any]) -> None:
     entries = pool.uncommitted_entries
     if entries is not None:
         entries.setdefault(request_id, []).extend(new)
-        pool.registrations_tracked += len(new)
 
 
 def store_first_copies(
@@ -291,7 +346,7 @@ def wrap_emit_block_removed_events(original: AnyFn) -> AnyFn:
     @functools.wraps(original)
     def _emit_block_removed_events(self: Any, block_hashes: Any) -> Any:
         # A hash another block still caches is not removed (the series' part 3).
-        if block_hashes and self._guard_events:
+        if self._guard_events and block_hashes:
             block_hashes = self.uncached_block_hashes(block_hashes)
         return original(self, block_hashes)
 

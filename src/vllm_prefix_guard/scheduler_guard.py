@@ -40,27 +40,37 @@ class SchedulerGuard:
         self.rules = UncommittedPrefixCache(manager) if rules is None else rules
         self.rollback_class = rollback_class
         self.stats = GuardStats()
-        self._recorded = self.pool.registrations_tracked
 
     # -- the calls the series places in Scheduler -------------------------------------
 
     def begin_step(self) -> None:
         """``schedule()`` starts (an earlier one that raised is undone here)."""
+        left = self.pool.uncommitted_entries
+        if left is None:
+            self.rules.begin_step()
+            return
+        self._count_recorded(left)
         removed = self.pool.guard_removed
         self.rules.begin_step()
         self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
 
     def end_step(self, output: Any) -> None:
         """``schedule()`` returns ``output``."""
+        entries = self.pool.uncommitted_entries
         self.rules.end_step(output)
-        if self.pool.registrations_tracked != self._recorded:
-            self._recorded = self.pool.registrations_tracked
-            uncommitted = self.num_uncommitted_entries
+        if entries:
+            self._count_recorded(entries)
+            uncommitted = 0  # num_uncommitted_entries, in this thread: no copies
+            for _, step_entries in self.rules.step_id_to_entries.values():
+                uncommitted += sum(map(len, step_entries.values()))
             if uncommitted > self.stats.peak_uncommitted_entries:
                 self.stats.peak_uncommitted_entries = uncommitted
 
     def preempted(self, request: Any) -> None:
         """``_preempt_request``, before the request's blocks are freed."""
+        open_entries = self.pool.uncommitted_entries
+        if open_entries:
+            self._count_recorded({None: open_entries.get(request.request_id, ())})
         removed = self.pool.guard_removed
         # Its computed tokens are those of the steps already dispatched (this step's
         # are added only when schedule() returns): those steps write them.
@@ -113,6 +123,8 @@ class SchedulerGuard:
         nothing now (it did reset; the scheduler's own result also reflects the
         connector's reset). With no entry left, no record names a live one."""
         if not len(self.pool.cached_block_hash_to_block):
+            if self.pool.uncommitted_entries:
+                self._count_recorded(self.pool.uncommitted_entries)
             self.rules.reset()
 
     # -- what operators read ------------------------------------------------------------
@@ -126,7 +138,6 @@ class SchedulerGuard:
         """The counters as operators read them. Safe from another thread: integer reads
         and one pass over the records in flight, each listed at once under the GIL."""
         stats = self.stats
-        stats.registrations_tracked = self.pool.registrations_tracked
         stats.stale_entries_skipped = self.pool.stale_entries_skipped
         return {**stats.as_dict(), "uncommitted_entries": self.num_uncommitted_entries}
 
@@ -137,6 +148,12 @@ class SchedulerGuard:
         return sum(
             sum(map(len, list(entries.values()))) for _, entries in self.rules.steps_in_flight()
         )
+
+    def _count_recorded(self, entries: Any) -> None:
+        """Count the entries of the open step's record that leave it (it ends, a request
+        preempted inside it takes its own, or it is dropped): per step, where recording
+        each one would cost per registration."""
+        self.stats.registrations_tracked += sum(map(len, entries.values()))
 
     def _count_readers(self, preempted: int) -> None:
         """Count requests made to recompute for reading bad KV (preempted here, or

@@ -345,4 +345,26 @@ def test_the_pool_counters_shadow_nothing_of_vllm() -> None:
     from vllm_prefix_guard import targets
 
     vllm_names = set(dir(BlockPool)) | targets.constructor_stores(BlockPool)
-    assert not {"registrations_tracked", "stale_entries_skipped"} & vllm_names
+    assert "stale_entries_skipped" not in vllm_names
+
+
+def test_the_wrappers_read_a_blocks_hash_as_vllm_does() -> None:
+    """The registration path reads ``block_hash`` without vLLM's property frame where there
+    is one (0.30-0.33), and the same value: unset, set, reset."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from vllm_prefix_guard.pool import block_hash_getter
+
+    block_hash = block_hash_getter()
+    block = KVCacheBlock(3)
+    assert block_hash(block) is None
+    block.set_block_hash(key := object(), num_tokens=32)  # type: ignore[arg-type]
+    assert block_hash(block) is key is block.block_hash
+    block.reset_hash()
+    assert block_hash(block) is None
+    field = (
+        "_block_hash"
+        if isinstance(vars(KVCacheBlock).get("block_hash"), property)
+        else "block_hash"
+    )
+    assert block_hash.__reduce__()[1] == (field,)
