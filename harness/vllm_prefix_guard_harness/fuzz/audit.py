@@ -462,7 +462,7 @@ class AuditedFailedKVLoads(FailedKVLoads):
         super().roll_back(scheduler_output, invalid_block_ids)
         self.readers = self.uncommitted.preempting_readers(self.readers)
 
-    def _remove_loaders(
+    def remove_loaders(
         self,
         scheduler_output: SchedulerOutput,
         entries: StepCacheEntries,
@@ -470,23 +470,23 @@ class AuditedFailedKVLoads(FailedKVLoads):
     ) -> set[str]:
         self._cause = LOADER
         try:
-            return super()._remove_loaders(scheduler_output, entries, invalid_block_ids)
+            return super().remove_loaders(scheduler_output, entries, invalid_block_ids)
         finally:
             self._cause = None
 
-    def _remove_computed_from(
+    def remove_computed_from(
         self, entries: StepCacheEntries, req_id: str, num_tokens: int
     ) -> None:
         self._cause = READER
         try:
-            super()._remove_computed_from(entries, req_id, num_tokens)
+            super().remove_computed_from(entries, req_id, num_tokens)
         finally:
             self._cause = None
 
-    def _remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
+    def remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
         # Called by the walk itself for a request tainted since an earlier step.
         self.uncommitted.cause = self._cause or (LOADER_LATER if req_id in self.loaders else READER)
-        return super()._remove_bad(req_id, entries)
+        return super().remove_bad(req_id, entries)
 
 
 def state_verdict(state: ShadowState, reg: Registration, rolled_back: bool) -> str:
@@ -601,7 +601,7 @@ class IdealFailedKVLoads(AuditedFailedKVLoads):
 
     uncommitted: IdealPolicy
 
-    def _remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
-        return super()._remove_bad(
+    def remove_bad(self, req_id: str | None, entries: list[UncommittedEntry]) -> set[int]:
+        return super().remove_bad(
             req_id, [entry for entry in entries if not self.uncommitted.keeps(entry)]
         )

@@ -87,7 +87,8 @@ def resumed_req_ids(cached_reqs: CachedRequestData) -> Collection[str]:
 class FailedKVLoads:
     """The rollback of one step's failed KV loads. Afterwards `reads_bad_kv`
     holds for every running request that counts bad KV as computed, and the
-    loaders have their cached-block counts rewound."""
+    loaders have their cached-block counts rewound. Subclasses extend the
+    removal steps: `remove_loaders`, `remove_computed_from`, `remove_bad`."""
 
     def __init__(self, uncommitted: UncommittedPrefixCache) -> None:
         self.uncommitted = uncommitted
@@ -113,7 +114,7 @@ class FailedKVLoads:
         assert not self.loaders, "one rollback per FailedKVLoads"
         steps = steps[first[0] :]
         self.bad_block_ids = set(invalid_block_ids)
-        loaders = self._remove_loaders(*steps[0], invalid_block_ids)
+        loaders = self.remove_loaders(*steps[0], invalid_block_ids)
         tainted = set(loaders)  # Requests computing over bad KV in the step.
         readmitted: set[str] = set()  # Loaders admitted afresh: readers there.
         for index, (output, entries) in enumerate(steps):
@@ -126,7 +127,7 @@ class FailedKVLoads:
                     tainted.discard(req_id)
             if index:
                 for req_id in [r for r in entries if r in tainted]:
-                    removed = self._remove_bad(req_id, entries.pop(req_id))
+                    removed = self.remove_bad(req_id, entries.pop(req_id))
                     if req_id in self.loaders:
                         self.loaders[req_id].update(removed)
             self._remove_readers(entries, admitted, tainted)
@@ -164,7 +165,7 @@ class FailedKVLoads:
                 dropped += 1
         return dropped
 
-    def _remove_loaders(
+    def remove_loaders(
         self,
         scheduler_output: SchedulerOutput,
         entries: StepCacheEntries,
@@ -189,7 +190,7 @@ class FailedKVLoads:
             loaded_fine = [e for e in loaded if e[1].block_id not in invalid_block_ids]
             failed = [e for e in loaded if e[1].block_id in invalid_block_ids]
             keep_entries(entries, req_id, written + loaded_fine)
-            self.loaders[req_id] = self._remove_bad(req_id, failed + unwritten)
+            self.loaders[req_id] = self.remove_bad(req_id, failed + unwritten)
         return set(self.loaders)
 
     def _remove_readers(
@@ -214,18 +215,18 @@ class FailedKVLoads:
                     continue
                 del admitted[req_id]
                 tainted.add(req_id)
-                self._remove_computed_from(entries, req_id, num_computed_tokens)
+                self.remove_computed_from(entries, req_id, num_computed_tokens)
                 changed = True
 
-    def _remove_computed_from(
+    def remove_computed_from(
         self, entries: StepCacheEntries, req_id: str, num_tokens: int
     ) -> None:
         """Remove a reader's entries past token `num_tokens` (its hit)."""
         written, unwritten = split_written(entries.pop(req_id, []), num_tokens)
         keep_entries(entries, req_id, written)
-        self._remove_bad(req_id, unwritten)
+        self.remove_bad(req_id, unwritten)
 
-    def _remove_bad(
+    def remove_bad(
         self, req_id: str | None, entries: list[UncommittedEntry]
     ) -> set[int]:
         """Remove entries of bad KV; their blocks become bad. Returns them."""
