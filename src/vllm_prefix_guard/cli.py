@@ -20,7 +20,7 @@ import sys
 
 from vllm_prefix_guard import __version__
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -66,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    result: int = args.func(args)
-    return result
+    return int(args.func(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 
 from vllm_prefix_guard import __version__, kvcached_support, plugin, stats, targets
 from vllm_prefix_guard.errors import GuardConfigError
-from vllm_prefix_guard.versions import TESTED_VLLM_VERSIONS, tested_range
+from vllm_prefix_guard.versions import TESTED_VLLM
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "prefix_guard"
@@ -53,13 +53,9 @@ def run_checks(self_test: bool) -> list[Check]:
     checks.append(_upstream_check())
     kvcached = kvcached_support.status()
     refused = kvcached.variant == "legacy" and kvcached.enabled and not kvcached.refuses_vllm
-    checks.append(
-        Check(
-            "kvcached",
-            _refusal(guard_on) if refused else INFO,
-            ("" if guard_on or not refused else _WHEN_ON) + kvcached.describe(),
-        )
-    )
+    detail = kvcached.describe()
+    check = _refused("kvcached", detail, guard_on) if refused else Check("kvcached", INFO, detail)
+    checks.append(check)
     checks.append(_patch_table())
     internals = _internal_checks()
     checks += internals
@@ -78,7 +74,7 @@ def run_checks(self_test: bool) -> list[Check]:
 def _install_checks() -> list[Check]:
     """The guard's and vLLM's versions, the entry point, and vLLM's plugin loader."""
     version = targets.vllm_version()
-    tested = version in TESTED_VLLM_VERSIONS
+    tested = version in TESTED_VLLM
     entry = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
     return [
         Check("vllm-prefix-guard", INFO, __version__),
@@ -86,7 +82,7 @@ def _install_checks() -> list[Check]:
             "vLLM",
             OK if version != "unknown" else FAIL,
             f"{version} ({'tested' if tested else 'not among the tested releases'}: "
-            f"{tested_range()}; the checks below decide)",
+            f"{', '.join(TESTED_VLLM)}; the checks below decide)",
         ),
         Check(
             "entry point",
@@ -135,7 +131,15 @@ def _internal_checks() -> list[Check]:
         except Exception as exc:
             checks.append(Check(f"internal {what}", FAIL, str(exc)))
         else:
-            detail = _state_groups(found) if run is targets.check_state_groups else "present"
+            detail = "present"
+            if run is targets.check_state_groups:
+                detail = (
+                    "hybrid models' state groups (Mamba, GDN and other linear attention, cached "
+                    "per block in align mode) are guarded like attention: every pool call of "
+                    f"vLLM's MambaManager is one the guard follows ({', '.join(found)})"  # type: ignore[arg-type]
+                    if found
+                    else "no state-group manager in this vLLM"
+                )
             checks.append(Check(f"internal {what}", OK, detail))
     return checks
 
@@ -178,17 +182,6 @@ def verdict(checks: list[Check]) -> str:
     guard = next((c for c in checks if c.name == "guard"), None)
     state = "ON" if guard is not None and guard.detail.startswith("ON") else "OFF"
     return f"verdict: ok: a vLLM server started from this shell starts, the guard {state}"
-
-
-def _state_groups(pool_calls: object) -> str:
-    """What ``doctor`` says of hybrid models' state groups."""
-    if not pool_calls:
-        return "no state-group manager in this vLLM"
-    return (
-        "hybrid models' state groups (Mamba, GDN and other linear attention, cached per "
-        "block in align mode) are guarded like attention: every pool call of vLLM's "
-        f"MambaManager is one the guard follows ({', '.join(pool_calls)})"  # type: ignore[arg-type]
-    )
 
 
 def _plugin_loader_check() -> Check:
@@ -253,10 +246,9 @@ def _activation_checks() -> tuple[list[Check], bool]:
 _WHEN_ON = f"with {plugin.ENV_VAR}=1 a server would refuse to start: "
 
 
-def _refusal(guard_on: bool) -> str:
-    """A problem the enabled guard refuses to start on: a failure while the guard is on,
-    something to know while it is off."""
-    return FAIL if guard_on else INFO
+def _refused(name: str, detail: str, guard_on: bool) -> Check:
+    """What the enabled guard refuses to start on: a failure while it is on, else info."""
+    return Check(name, FAIL, detail) if guard_on else Check(name, INFO, _WHEN_ON + detail)
 
 
 def _setting_checks(guard_on: bool) -> list[Check]:
@@ -266,9 +258,7 @@ def _setting_checks(guard_on: bool) -> list[Check]:
         try:
             found = run()
         except GuardConfigError as exc:
-            checks.append(
-                Check(setting, _refusal(guard_on), ("" if guard_on else _WHEN_ON) + str(exc))
-            )
+            checks.append(_refused(setting, str(exc), guard_on))
             continue
         if setting == stats.STATS_FILE_ENV:
             detail = "unset" if found is None else f"{found!r}: its directory is writable"
@@ -288,7 +278,7 @@ def _kvcached_pool_check(pool_class: type, guard_on: bool) -> Check:
     try:
         pool.check_pool(pool_class)
     except Exception as exc:
-        return Check(name, _refusal(guard_on), ("" if guard_on else _WHEN_ON) + str(exc))
+        return _refused(name, str(exc), guard_on)
     return Check(name, OK, "every registration reaches the guard's BlockPool wrappers")
 
 

@@ -6,9 +6,6 @@ that cannot apply fails loudly instead of running unguarded.
 
 from __future__ import annotations
 
-#: How to turn the guard off; every start-up error ends with it.
-DISABLE_HINT = "Set VLLM_PREFIX_GUARD=0 (or leave it unset) to run vLLM without the guard."
-
 
 class GuardConfigError(SystemExit):
     """A guard setting (an environment variable) holds a value that is not understood.

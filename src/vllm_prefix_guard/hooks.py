@@ -10,7 +10,7 @@
     Scheduler.shutdown              one summary line with the counters, last JSON write
 
 Why each exists and when it can go: the patch table (:mod:`vllm_prefix_guard.patches`),
-which :func:`install` applies. Data flows one way: hook -> guard -> rules -> pool. Each
+which ``plugin.apply`` applies. Data flows one way: hook -> guard -> rules -> pool. Each
 wrapper carries the original's name, docstring and ``__wrapped__`` (``functools.wraps``),
 and on a scheduler without a guard (prefix caching off, built before the guard was
 applied, a stand-in object) runs the original and nothing else.
@@ -26,13 +26,10 @@ from typing import Any
 
 from vllm_prefix_guard import metrics
 from vllm_prefix_guard.log import logger
-from vllm_prefix_guard.patches import PATCHES
-from vllm_prefix_guard.patching import PatchRegistry
 from vllm_prefix_guard.rules.failed_kv_loads import FailedKVLoads
 from vllm_prefix_guard.rules.uncommitted import UncommittedPrefixCache
 from vllm_prefix_guard.scheduler_guard import SchedulerGuard
 from vllm_prefix_guard.stats import STATS_FILE_ENV, StatsPublisher, stats_file_path
-from vllm_prefix_guard.targets import resolve
 
 GUARD_ATTR = "_prefix_guard"
 PUBLISHER_ATTR = "_prefix_guard_publisher"
@@ -71,9 +68,10 @@ def attach_guard(
     return guard
 
 
-def engine_labels(scheduler: Any) -> tuple[str, int, int]:
-    """``(model_name, engine index, engine count)`` as vLLM labels its own metrics; a
-    vLLM that moved these reports ``unknown``/0 rather than failing (reporting only).
+def make_publisher(scheduler: Any) -> StatsPublisher | None:
+    """The engine's counter files (its ``/metrics`` file in the run directory, the
+    operator's stats file) and its multiprocess export, where set up; None if none is.
+    Labelled as vLLM labels its own metrics (``unknown``/0 where a vLLM moved them).
 
     The engine is vLLM's ``data_parallel_index``, the DP rank its own ``engine`` label
     carries. Not ``data_parallel_rank``: for a dense (non-MoE) model each EngineCore runs as
@@ -93,13 +91,7 @@ def engine_labels(scheduler: Any) -> tuple[str, int, int]:
     engines = max(int(getattr(parallel, "data_parallel_size", 1) or 1), engine + 1)
     if isinstance(model, (list, tuple)):
         model = model[0] if model else None
-    return (str(model) if model else "unknown"), engine, engines
-
-
-def make_publisher(scheduler: Any) -> StatsPublisher | None:
-    """The engine's counter files (its ``/metrics`` file in the run directory, the
-    operator's stats file) and its multiprocess export, where set up; None if none is."""
-    model, engine, engines = engine_labels(scheduler)
+    model = str(model) if model else "unknown"
     paths = []
     directory = metrics.run_dir()
     if directory is not None:
@@ -217,15 +209,6 @@ def wrap_shutdown(original: AnyFn) -> AnyFn:
         return result
 
     return shutdown
-
-
-def install(registry: PatchRegistry) -> list[str]:
-    """Apply every patch of the table through ``registry``; return what each patched, as
-    its start-up log line names it."""
-    patched = []
-    for patch in PATCHES:
-        patched.append(patch.apply(registry, resolve(patch.module, patch.owner)))
-    return patched
 
 
 def report_counters(guard: SchedulerGuard, publisher: StatsPublisher | None) -> None:

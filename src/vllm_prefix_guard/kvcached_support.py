@@ -30,8 +30,8 @@ NATIVE_INDEX = ("cached_block_hash_to_block", "cached_block_hashes_by_block")
 VLLM_POOL = "vLLM's BlockPool"
 
 
-def is_kvcached_class(cls: type) -> bool:
-    return any(klass.__module__.split(".")[0] == "kvcached" for klass in cls.__mro__)
+def is_kvcached(klass: type) -> bool:
+    return klass.__module__.split(".")[0] == "kvcached"
 
 
 def builds_native_index(pool_class: type) -> bool:
@@ -39,15 +39,14 @@ def builds_native_index(pool_class: type) -> bool:
     variant). vLLM's ``BlockPool.__init__`` is in every variant's MRO but kvcached never
     calls it, so only the stores of kvcached's classes count."""
     stores: set[str] = set()
-    for klass in pool_class.__mro__:
-        if klass.__module__.split(".")[0] == "kvcached":
-            stores |= targets.constructor_stores(klass)
+    for klass in filter(is_kvcached, pool_class.__mro__):
+        stores |= targets.constructor_stores(klass)
     return all(name in stores for name in NATIVE_INDEX)
 
 
 def refusal_hint(pool_class: type) -> str:
     """The extra words of a graft refusal when the pool is kvcached's."""
-    if not is_kvcached_class(pool_class):
+    if not any(map(is_kvcached, pool_class.__mro__)):
         return ""
     return (
         "This is kvcached's ElasticBlockPool in its legacy variant (an index of its own, "
@@ -62,24 +61,6 @@ def engine_window() -> str | None:
     (``>=0.29.0,<0.31.0`` in 0.1.6); None until kvcached has patched this process."""
     window = getattr(sys.modules.get(PATCHES_MODULE), "VLLM_MRV2_RANGE", None)
     return window if isinstance(window, str) else None
-
-
-def refuses_vllm(vllm_version: str, window: str | None) -> bool | None:
-    """Whether kvcached's engine start-up check refuses ``vllm_version``; None: unknown."""
-    if window is None:
-        return None
-    try:
-        from packaging.specifiers import InvalidSpecifier, SpecifierSet
-        from packaging.version import InvalidVersion, Version
-    except ImportError:  # pragma: no cover - vLLM depends on packaging
-        return None
-    try:
-        version = Version(vllm_version)
-        if version < Version(GATED_FROM_VLLM):
-            return False
-        return version not in SpecifierSet(window, prereleases=True)
-    except (InvalidVersion, InvalidSpecifier):
-        return None
 
 
 @dataclass(frozen=True)
@@ -101,7 +82,21 @@ class KvcachedStatus:
 
     @property
     def refuses_vllm(self) -> bool | None:
-        return refuses_vllm(self.vllm_version, self.window)
+        """Whether kvcached's engine start-up check refuses this vLLM; None: unknown."""
+        if self.window is None:
+            return None
+        try:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+            from packaging.version import InvalidVersion, Version
+        except ImportError:  # pragma: no cover - vLLM depends on packaging
+            return None
+        try:
+            version = Version(self.vllm_version)
+            if version < Version(GATED_FROM_VLLM):
+                return False
+            return version not in SpecifierSet(self.window, prereleases=True)
+        except (InvalidVersion, InvalidSpecifier):
+            return None
 
     @property
     def active(self) -> bool:
@@ -148,8 +143,7 @@ class KvcachedStatus:
         )
 
 
-def status(environ: dict[str, str] | None = None) -> KvcachedStatus:
-    env = os.environ if environ is None else environ
+def status() -> KvcachedStatus:
     installed = importlib.util.find_spec("kvcached") is not None
     version = None
     if installed:
@@ -157,7 +151,7 @@ def status(environ: dict[str, str] | None = None) -> KvcachedStatus:
             version = metadata.version("kvcached")
         except metadata.PackageNotFoundError:
             version = getattr(sys.modules.get("kvcached"), "__version__", None)
-    enabled = env.get("ENABLE_KVCACHED", "").strip().lower() in ("1", "true")
+    enabled = os.environ.get("ENABLE_KVCACHED", "").strip().lower() in ("1", "true")
     block_pool = sys.modules.get("vllm.v1.core.block_pool")
     pool_class = getattr(block_pool, "ElasticBlockPool", None) if block_pool else None
     vllm = sys.modules.get("vllm")

@@ -27,6 +27,14 @@ def is_guard_patch(obj: Any) -> bool:
     return bool(getattr(obj, PATCH_MARKER, False) or getattr(fget, PATCH_MARKER, False))
 
 
+def resolve(module: str, path: str) -> Any:
+    """Import ``module`` and return the object at the dotted ``path`` inside it."""
+    value: Any = importlib.import_module(module)
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
 class PatchError(RuntimeError):
     """An attribute could not be patched as asked."""
 
@@ -85,10 +93,7 @@ class Patch:
         """The object ``how`` names (imported only when the patch is applied: the
         table itself imports nothing of vLLM)."""
         module, _, qualname = self.how.partition(":")
-        value: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            value = getattr(value, part)
-        return value
+        return resolve(module, qualname)
 
     def members(self) -> dict[str, Any]:
         """What an ``Owner`` patch adds: the own members of the class ``how`` names."""

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from vllm_prefix_guard import __version__
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
+from vllm_prefix_guard.patches import PATCHES
 from vllm_prefix_guard.patching import PatchRegistry
 
 ENV_VAR = "VLLM_PREFIX_GUARD"
@@ -31,13 +31,13 @@ _patched: list[str] = []
 _skipped_for_upstream: str | None = None
 
 
-def enabled_by_env(environ: Any = None) -> bool:
+def enabled_by_env() -> bool:
     """Parse ``VLLM_PREFIX_GUARD``: unset/0/false/off -> False, 1/true/on -> True.
 
     Raises:
         GuardConfigError: any other value, naming the variable and the accepted values.
     """
-    raw = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    raw = os.environ.get(ENV_VAR, "")
     value = raw.strip().lower()
     if value in _ON:
         return True
@@ -97,12 +97,9 @@ def apply() -> list[str]:
         if _skipped_for_upstream is not None or _steps_aside():
             return []
         targets.check_all()
-        # After the checks: the rules import vLLM's types when they are imported.
-        from vllm_prefix_guard import hooks
-
         registry = PatchRegistry()
-        try:
-            patched = hooks.install(registry)
+        try:  # each patch imports its wrapper (and the rules) only now, after the checks
+            patched = [p.apply(registry, targets.resolve(p.module, p.owner)) for p in PATCHES]
         except BaseException:
             registry.undo_all()
             raise

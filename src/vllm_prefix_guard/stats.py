@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
@@ -76,7 +75,7 @@ def stats_file_path(template: str, engine: int, engines: int) -> str:
     return str(path.with_name(f"{path.stem}.engine{engine}{path.suffix}"))
 
 
-def check_stats_file_setting(environ: Any = None) -> str | None:
+def check_stats_file_setting() -> str | None:
     """The operator's stats-file template, if set; its directory must exist and be writable.
 
     Raises:
@@ -84,7 +83,7 @@ def check_stats_file_setting(environ: Any = None) -> str | None:
             writable (checked at start-up, so a typo fails the server's start instead of
             the first write).
     """
-    template = (os.environ if environ is None else environ).get(STATS_FILE_ENV, "").strip()
+    template = os.environ.get(STATS_FILE_ENV, "").strip()
     if not template:
         return None
     path = os.path.abspath(template.replace("{engine}", "0"))
@@ -104,13 +103,6 @@ def check_stats_file_setting(environ: Any = None) -> str | None:
             f"{STATS_FILE_ENV}={template!r}: the directory {directory!r} is not writable."
         )
     return template
-
-
-def write_json_atomically(path: str, document: dict[str, Any]) -> None:
-    partial = f"{path}.{os.getpid()}.tmp"
-    with open(partial, "w", encoding="utf-8") as fh:
-        json.dump(document, fh)
-    os.replace(partial, path)
 
 
 class StatsPublisher:
@@ -167,7 +159,10 @@ class StatsPublisher:
             document["counters"] = counters
             for path in list(self._paths):
                 try:
-                    write_json_atomically(path, document)
+                    partial = f"{path}.{os.getpid()}.tmp"
+                    with open(partial, "w", encoding="utf-8") as fh:
+                        json.dump(document, fh)
+                    os.replace(partial, path)
                 except OSError as exc:
                     self._paths.remove(path)
                     logger().warning(

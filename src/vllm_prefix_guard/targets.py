@@ -25,9 +25,9 @@ from enum import Enum
 from functools import partial
 from typing import Any
 
-from vllm_prefix_guard.errors import DISABLE_HINT, GuardUnsupportedError
+from vllm_prefix_guard.errors import GuardUnsupportedError
 from vllm_prefix_guard.patches import BLOCK_POOL, MANAGER, PATCHES, SCHEDULER
-from vllm_prefix_guard.patching import PATCH_MARKER, is_guard_patch
+from vllm_prefix_guard.patching import PATCH_MARKER, is_guard_patch, resolve
 
 SCHEDULER_OUTPUT = "vllm.v1.core.sched.output"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
@@ -177,11 +177,9 @@ RARE_PATH_INTERNALS: tuple[Internal, ...] = (
     ),
 )
 
-_RULES = "rules (imported)"
-
 #: What the rules import from vLLM (``vllm_prefix_guard.rules``): checked before they are.
 RULES_IMPORTS: tuple[Internal, ...] = tuple(
-    Internal(module, name, Kind.NAME, _RULES)
+    Internal(module, name, Kind.NAME, "rules (imported)")
     for module, name in (
         (KV_CACHE_UTILS, "BlockHashWithGroupId"),
         (KV_CACHE_UTILS, "KVCacheBlock"),
@@ -304,11 +302,15 @@ def _positional_parameters(fn: Any) -> int | None:
     return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in parameters)
 
 
-def _native_owner(owner: str) -> type | None:
+def _resolved_or_none(module: str, path: str) -> Any:
     try:
-        cls = resolve(NATIVE_FIX_MODULES[owner], owner)
+        return resolve(module, path)
     except (ImportError, AttributeError):
         return None
+
+
+def _native_owner(owner: str) -> type | None:
+    cls = _resolved_or_none(NATIVE_FIX_MODULES[owner], owner)
     return cls if isinstance(cls, type) else None
 
 
@@ -362,32 +364,21 @@ def unsupported(subject: str, why: str, hint: str = "") -> GuardUnsupportedError
     """The one start-up error: what is missing or changed, on which vLLM, how to go on."""
     return GuardUnsupportedError(
         f"vllm-prefix-guard does not support this vLLM ({vllm_version()}): {subject} {why}."
-        f"{' ' + hint if hint else ''} {DISABLE_HINT}"
+        f"{' ' + hint if hint else ''} Set VLLM_PREFIX_GUARD=0 (or leave it unset) to run "
+        "vLLM without the guard."
     )
-
-
-def resolve(module: str, path: str) -> Any:
-    """Import ``module`` and return the object at the dotted ``path`` inside it."""
-    value: Any = importlib.import_module(module)
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def check(internal: Internal) -> Any:
     """Return what ``internal`` names, or raise :func:`unsupported` saying why not."""
-    owner_path = internal.owner
     try:
-        owner = resolve(internal.module, owner_path) if owner_path else None
+        owner = resolve(internal.module, internal.owner) if internal.owner else None
+        if internal.kind is Kind.NAME:
+            return resolve(internal.module, internal.path)
     except (ImportError, AttributeError) as exc:
         raise unsupported(internal.qualname, f"cannot be imported ({exc})") from exc
     if internal.kind is Kind.CALLABLE:
         return _check_callable(internal, owner)
-    if internal.kind is Kind.NAME:
-        try:
-            return resolve(internal.module, internal.path)
-        except (ImportError, AttributeError) as exc:
-            raise unsupported(internal.qualname, f"cannot be imported ({exc})") from exc
     assert owner is not None, f"{internal.qualname}: fields and attributes belong to a class"
     if internal.kind is Kind.FIELD:
         if internal.name not in declared_fields(owner):
@@ -404,10 +395,7 @@ def check(internal: Internal) -> Any:
 
 def _check_callable(internal: Internal, owner: Any) -> Any:
     if owner is None:
-        try:
-            fn = resolve(internal.module, internal.name)
-        except (ImportError, AttributeError):
-            fn = None
+        fn = _resolved_or_none(internal.module, internal.name)
     else:
         fn = inspect.getattr_static(owner, internal.name, None)
     if fn is None:
@@ -554,9 +542,8 @@ def pool_calls(cls: type) -> frozenset[str]:
 def check_state_groups() -> tuple[str, ...]:
     """The pool calls of vLLM's state-group manager, all of them ones the guard follows
     (:data:`STATE_GROUP_POOL_CALLS`); () when this vLLM has no such manager."""
-    try:
-        manager = resolve(SINGLE_TYPE_MANAGER, "MambaManager")
-    except (ImportError, AttributeError):
+    manager = _resolved_or_none(SINGLE_TYPE_MANAGER, "MambaManager")
+    if manager is None:
         return ()
     calls = pool_calls(manager)
     unknown = sorted(calls - STATE_GROUP_POOL_CALLS.keys())

@@ -17,10 +17,3 @@ TESTED_VLLM: dict[str, str] = {
     "0.33.0": "vllm==0.33.0",
     "0.34.0": "vllm==0.34.0",
 }
-
-TESTED_VLLM_VERSIONS = tuple(TESTED_VLLM)
-
-
-def tested_range() -> str:
-    """``0.30.0, 0.31.0, ...`` as a human reads it."""
-    return ", ".join(TESTED_VLLM_VERSIONS)

@@ -108,13 +108,11 @@ def test_confirmed_registrations_are_not_tracked(
     Registrations made by ``update_from_output`` (0.33) or the async scheduler's output
     path (0.32) happen after the step's output arrived; they must never be rolled back.
     """
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    from vllm_prefix_guard import pool as guard_pool
 
     inside = {"depth": 0, "outside_records": 0}
     allocate_slots = KVCacheManager.allocate_slots
-    record_entries = guard_pool.record_entries  # every wrapper records through it
 
     def counting_allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
         inside["depth"] += 1
@@ -123,13 +121,27 @@ def test_confirmed_registrations_are_not_tracked(
         finally:
             inside["depth"] -= 1
 
-    def checking_record_entries(pool: Any, request_id: Any, new: list[Any]) -> None:
-        if pool.uncommitted_entries is not None and not inside["depth"]:
-            inside["outside_records"] += 1
-        record_entries(pool, request_id, new)
+    def num_recorded(pool: Any) -> int:
+        entries = pool.uncommitted_entries
+        return -1 if entries is None else sum(map(len, entries.values()))
+
+    def checking(wrapper: Any) -> Any:
+        """The guard's wrapper of a registering method, counting what it records outside
+        ``allocate_slots`` (each wrapper records its own way)."""
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            before = num_recorded(self)
+            try:
+                return wrapper(self, *args, **kwargs)
+            finally:
+                if not inside["depth"] and num_recorded(self) > max(before, 0):
+                    inside["outside_records"] += 1
+
+        return call
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", counting_allocate_slots)
-    monkeypatch.setattr(guard_pool, "record_entries", checking_record_entries)
+    for name in ("cache_full_blocks", "cache_partial_block", "move_block_hashes"):
+        monkeypatch.setattr(BlockPool, name, checking(getattr(BlockPool, name)))
     scheduler = make_scheduler(num_blocks=40, async_scheduling=async_scheduling)
     driver = Driver(scheduler, depth=2 if async_scheduling else 1)
     for i in range(3):

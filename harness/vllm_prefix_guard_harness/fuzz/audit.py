@@ -474,9 +474,7 @@ class AuditedFailedKVLoads(FailedKVLoads):
         finally:
             self._cause = None
 
-    def remove_computed_from(
-        self, entries: StepCacheEntries, req_id: str, num_tokens: int
-    ) -> None:
+    def remove_computed_from(self, entries: StepCacheEntries, req_id: str, num_tokens: int) -> None:
         self._cause = READER
         try:
             super().remove_computed_from(entries, req_id, num_tokens)
