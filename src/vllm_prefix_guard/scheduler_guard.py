@@ -69,8 +69,8 @@ class SchedulerGuard:
     def preempted(self, request: Any) -> None:
         """``_preempt_request``, before the request's blocks are freed."""
         open_entries = self.pool.uncommitted_entries
-        if open_entries:
-            self._count_recorded({None: open_entries.get(request.request_id, ())})
+        if open_entries:  # the entries it takes out of the open record, counted here
+            self.stats.registrations_tracked += len(open_entries.get(request.request_id, ()))
         removed = self.pool.guard_removed
         # Its computed tokens are those of the steps already dispatched (this step's
         # are added only when schedule() returns): those steps write them.
