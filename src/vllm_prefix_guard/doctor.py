@@ -131,15 +131,7 @@ def _internal_checks() -> list[Check]:
         except Exception as exc:
             checks.append(Check(f"internal {what}", FAIL, str(exc)))
         else:
-            detail = "present"
-            if run is targets.check_state_groups:
-                detail = (
-                    "hybrid models' state groups (Mamba, GDN and other linear attention, cached "
-                    "per block in align mode) are guarded like attention: every pool call of "
-                    f"vLLM's MambaManager is one the guard follows ({', '.join(found)})"  # type: ignore[arg-type]
-                    if found
-                    else "no state-group manager in this vLLM"
-                )
+            detail = _state_groups(found) if run is targets.check_state_groups else "present"
             checks.append(Check(f"internal {what}", OK, detail))
     return checks
 
@@ -182,6 +174,17 @@ def verdict(checks: list[Check]) -> str:
     guard = next((c for c in checks if c.name == "guard"), None)
     state = "ON" if guard is not None and guard.detail.startswith("ON") else "OFF"
     return f"verdict: ok: a vLLM server started from this shell starts, the guard {state}"
+
+
+def _state_groups(pool_calls: object) -> str:
+    """What ``doctor`` says of hybrid models' state groups."""
+    if not pool_calls:
+        return "no state-group manager in this vLLM"
+    return (
+        "hybrid models' state groups (Mamba, GDN and other linear attention, cached per "
+        "block in align mode) are guarded like attention: every pool call of vLLM's "
+        f"MambaManager is one the guard follows ({', '.join(pool_calls)})"  # type: ignore[arg-type]
+    )
 
 
 def _plugin_loader_check() -> Check:

@@ -68,10 +68,9 @@ def attach_guard(
     return guard
 
 
-def make_publisher(scheduler: Any) -> StatsPublisher | None:
-    """The engine's counter files (its ``/metrics`` file in the run directory, the
-    operator's stats file) and its multiprocess export, where set up; None if none is.
-    Labelled as vLLM labels its own metrics (``unknown``/0 where a vLLM moved them).
+def engine_labels(scheduler: Any) -> tuple[str, int, int]:
+    """``(model_name, engine index, engine count)`` as vLLM labels its own metrics; a
+    vLLM that moved these reports ``unknown``/0 rather than failing (reporting only).
 
     The engine is vLLM's ``data_parallel_index``, the DP rank its own ``engine`` label
     carries. Not ``data_parallel_rank``: for a dense (non-MoE) model each EngineCore runs as
@@ -91,7 +90,13 @@ def make_publisher(scheduler: Any) -> StatsPublisher | None:
     engines = max(int(getattr(parallel, "data_parallel_size", 1) or 1), engine + 1)
     if isinstance(model, (list, tuple)):
         model = model[0] if model else None
-    model = str(model) if model else "unknown"
+    return (str(model) if model else "unknown"), engine, engines
+
+
+def make_publisher(scheduler: Any) -> StatsPublisher | None:
+    """The engine's counter files (its ``/metrics`` file in the run directory, the
+    operator's stats file) and its multiprocess export, where set up; None if none is."""
+    model, engine, engines = engine_labels(scheduler)
     paths = []
     directory = metrics.run_dir()
     if directory is not None:

@@ -226,7 +226,6 @@ def cache_and_record_full_blocks(
     null and masked blocks keep theirs. The entries, (hash, block, number of tokens the
     hash names), are built per block in C.
     """
-    entries = pool.uncommitted_entries
     new_blocks = blocks[num_cached_blocks:num_full_blocks]
     hashes_before = list(map(block_hash, new_blocks))
     queued = len(pool.kv_event_queue) if pool._guard_events else 0
@@ -246,8 +245,7 @@ def cache_and_record_full_blocks(
             if entry[0] is not None and entry[0] is not before
         ]
     if new:
-        if entries is not None:
-            entries.setdefault(request.request_id, []).extend(new)
+        record_entries(pool, request.request_id, new)
         if pool._guard_events:
             store_first_copies(pool, queued, new, num_cached_blocks, block_size)
     return result

@@ -46,13 +46,11 @@ class SchedulerGuard:
     def begin_step(self) -> None:
         """``schedule()`` starts (an earlier one that raised is undone here)."""
         left = self.pool.uncommitted_entries
-        if left is None:
-            self.rules.begin_step()
-            return
-        self._count_recorded(left)
         removed = self.pool.guard_removed
         self.rules.begin_step()
-        self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
+        if left is not None:
+            self._count_recorded(left)
+            self.stats.rolled_back_dropped_step += self.pool.guard_removed - removed
 
     def end_step(self, output: Any) -> None:
         """``schedule()`` returns ``output``."""

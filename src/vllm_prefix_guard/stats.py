@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
@@ -105,6 +106,13 @@ def check_stats_file_setting() -> str | None:
     return template
 
 
+def write_json_atomically(path: str, document: dict[str, Any]) -> None:
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "w", encoding="utf-8") as fh:
+        json.dump(document, fh)
+    os.replace(partial, path)
+
+
 class StatsPublisher:
     """Keeps ``paths`` (and ``export``, if given) holding an engine's latest counters, off
     the scheduler's thread.
@@ -159,10 +167,7 @@ class StatsPublisher:
             document["counters"] = counters
             for path in list(self._paths):
                 try:
-                    partial = f"{path}.{os.getpid()}.tmp"
-                    with open(partial, "w", encoding="utf-8") as fh:
-                        json.dump(document, fh)
-                    os.replace(partial, path)
+                    write_json_atomically(path, document)
                 except OSError as exc:
                     self._paths.remove(path)
                     logger().warning(
