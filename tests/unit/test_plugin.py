@@ -164,7 +164,8 @@ def test_upstream_fix_present_skips_the_guard(
     assert not plugin.is_applied()
     assert Scheduler.__dict__["schedule"] is STOCK_SCHEDULE
     assert sum("already ships its own fix" in line for line in guard_log) == 1
-    assert "FailedKVLoads.roll_back" in targets.upstream_fix()  # type: ignore[operator]
+    assert targets.native_fix().complete
+    assert "FailedKVLoads.roll_back" in targets.native_fix().describe()
 
 
 HALF_SIMILAR: dict[str, dict[str, Any]] = {
@@ -188,7 +189,7 @@ def test_half_similar_upstream_change_is_not_mistaken_for_the_fix(
     neither steps aside (nothing would fix the bug) nor patches beside it (two mechanisms
     over one index); it refuses to start, naming what it found."""
     simulate_native_fix(monkeypatch, **shape)
-    assert targets.upstream_fix() is None
+    assert not targets.native_fix().complete
     assert targets.native_fix().partial
     with pytest.raises(GuardUnsupportedError, match=r"UncommittedPrefixCache.*VLLM_PREFIX_GUARD=0"):
         plugin.apply()

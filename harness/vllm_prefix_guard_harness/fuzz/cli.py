@@ -166,9 +166,10 @@ def quiet_vllm() -> None:
 
 
 def _environment(plugin: Any, targets: Any) -> dict[str, Any]:
+    native = targets.native_fix()
     return {
         "vllm_version": targets.vllm_version(),
-        "upstream_fix": targets.upstream_fix(),
+        "upstream_fix": native.describe() if native.complete else None,
         "guard_applied_at_start": plugin.is_applied(),
         "python_hash_seed": current_hash_seed(),
     }
