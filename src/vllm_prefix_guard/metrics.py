@@ -1,34 +1,20 @@
 """The guard's counters on vLLM's own ``/metrics``, one series per engine, through
-prometheus_client's own channels: nothing of vLLM or prometheus_client is patched.
-
-The counters live in each EngineCore (one per data-parallel rank); ``/metrics`` is served
-by the API server process(es). vLLM's ``vllm.v1.metrics.prometheus.get_prometheus_registry``
-decides which channel reaches it:
-
-- one API server: it serves prometheus_client's global ``REGISTRY``. The first process
-  that loads the plugin makes a run directory (:data:`RUN_DIR_ENV`, inherited by the
-  processes it starts); each engine's :class:`~vllm_prefix_guard.stats.StatsPublisher`
-  keeps ``engine-<rank>.json`` there current (a background thread, nothing on the step
-  path), and :class:`GuardCollector`, registered on ``REGISTRY`` when the plugin loads,
-  reads those files when ``/metrics`` is scraped;
-- several API servers (``PROMETHEUS_MULTIPROC_DIR`` set by vLLM's launcher, inherited by
-  the engines): every scrape builds a fresh registry around a ``MultiProcessCollector``,
-  which reads prometheus_client's multiprocess files. The publisher thread of each engine
-  writes its counters there itself (:class:`MultiprocessExport`).
-
-Names follow vLLM's (``vllm:`` prefix, counters exported with ``_total``) and so do the
-labels (``model_name``, ``engine``); past the prefix, each is the counter's own name. A
-scrape never raises: an unreadable file is skipped.
+prometheus_client's own channels, as vLLM's ``get_prometheus_registry`` picks them (nothing
+patched; docs/operations.md): with one API server, :class:`GuardCollector` on ``REGISTRY``
+reads the ``engine-<rank>.json`` each engine's publisher thread keeps in the run directory;
+with several (``PROMETHEUS_MULTIPROC_DIR``), each engine writes prometheus_client's
+multiprocess files (:class:`MultiprocessExport`). A scrape never raises.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +23,11 @@ from vllm_prefix_guard.log import logger
 
 #: The run directory the engines and the API servers of one server share.
 RUN_DIR_ENV = "VLLM_PREFIX_GUARD_RUN_DIR"
-#: Set by vLLM's launcher when several API servers serve ``/metrics`` (Prometheus'
-#: multiprocess mode), and inherited by the engines.
+#: Set by vLLM's launcher for several API servers, and inherited by the engines.
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 #: Every series is ``vllm:prefix_guard_<key>``, ``<key>`` the counter's name in
-#: :class:`~vllm_prefix_guard.stats.GuardStats` and the engines' files: one name per
-#: counter from the pool to ``/metrics``. (key, help) of the plain counters:
+#: :class:`~vllm_prefix_guard.stats.GuardStats` and the engines' files. The plain counters:
 COUNTERS: tuple[tuple[str, str], ...] = (
     (
         "registrations_tracked",
@@ -68,14 +52,20 @@ ROLLBACK_CAUSES = {
     cause: f"{ROLLED_BACK}_{cause}" for cause in ("preempted", "kv_load_failure", "dropped_step")
 }
 UNCOMMITTED = "uncommitted_entries"
+LABELS = ("model_name", "engine")
 ROLLBACK_HELP = (
     "Prefix-cache registrations the guard removed before any request could hit them, by "
     "cause: the request was preempted in the same schedule() call, its KV load failed, or "
     "its step never came back."
 )
 UNCOMMITTED_HELP = "Registrations of steps in flight, not yet committed."
-
-LABELS = ("model_name", "engine")
+#: Both channels' series: (name past the prefix, help, label names, {file key: label values
+#: past LABELS}); each a counter but ``UNCOMMITTED``, a gauge.
+FAMILIES: tuple[tuple[str, str, tuple[str, ...], Mapping[str, tuple[str, ...]]], ...] = (
+    *((key, text, LABELS, {key: ()}) for key, text in COUNTERS),
+    (ROLLED_BACK, ROLLBACK_HELP, (*LABELS, "cause"), {k: (c,) for c, k in ROLLBACK_CAUSES.items()}),
+    (UNCOMMITTED, UNCOMMITTED_HELP, LABELS, {UNCOMMITTED: ()}),
+)
 
 
 def run_dir() -> str | None:
@@ -83,13 +73,10 @@ def run_dir() -> str | None:
 
 
 def check_run_dir_setting() -> str:
-    """Where this process finds its server's run directory (inherited in
-    :data:`RUN_DIR_ENV`) or will make it (the temporary directory); the server's processes
-    must be able to write there.
+    """The inherited run directory, or the temporary directory to make one in.
 
     Raises:
-        GuardConfigError: the inherited directory is gone or not writable, or there is no
-            writable temporary directory to make one in (checked at start-up, so the guard's
+        GuardConfigError: that directory is missing or not writable (at start-up, so the
             counters never silently miss ``/metrics``).
     """
     existing = run_dir()
@@ -145,47 +132,30 @@ class GuardCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        documents = list(self._documents())
-        for key, help_text in COUNTERS:
-            family = CounterMetricFamily(PREFIX + key, help_text, labels=LABELS)
-            for labels, counters in documents:
-                family.add_metric(labels, counters.get(key, 0))
-            yield family
-        rollbacks = CounterMetricFamily(
-            PREFIX + ROLLED_BACK, ROLLBACK_HELP, labels=(*LABELS, "cause")
-        )
-        uncommitted = GaugeMetricFamily(PREFIX + UNCOMMITTED, UNCOMMITTED_HELP, labels=LABELS)
-        for labels, counters in documents:
-            for cause, key in ROLLBACK_CAUSES.items():
-                rollbacks.add_metric([*labels, cause], counters.get(key, 0))
-            uncommitted.add_metric(labels, counters.get(UNCOMMITTED, 0))
-        yield rollbacks
-        yield uncommitted
-
-    def _documents(self) -> Iterator[tuple[list[str], dict[str, int]]]:
-        try:
-            paths = sorted(self.directory.glob("engine-*.json"))
-        except OSError:
-            return
-        for path in paths:
+        documents = []
+        for name in sorted(glob.glob("engine-*.json", root_dir=self.directory)):
             try:
-                document = json.loads(path.read_text())
+                document = json.loads((self.directory / name).read_text())
                 labels = [str(document["model_name"]), str(document["engine"])]
                 counters = {k: int(v) for k, v in document["counters"].items()}
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
-            yield labels, counters
+            documents.append((labels, counters))
+        for family_name, text, names, keys in FAMILIES:
+            kind = GaugeMetricFamily if family_name == UNCOMMITTED else CounterMetricFamily
+            family = kind(PREFIX + family_name, text, labels=names)
+            for labels, counters in documents:
+                for key, values in keys.items():
+                    family.add_metric([*labels, *values], counters.get(key, 0))
+            yield family
 
 
 _registered = False
 
 
 def install() -> None:
-    """Serve the guard's series on ``/metrics`` with one API server: register
-    :class:`GuardCollector` on prometheus_client's ``REGISTRY``, the registry vLLM serves
-    then (several API servers: :class:`MultiprocessExport`). Once per process; never
-    raises (reporting only): a failure is logged and vLLM serves on without the series.
-    """
+    """Register :class:`GuardCollector` on ``REGISTRY`` (what one API server serves), once
+    per process. Never raises (reporting only): vLLM serves on without the series."""
     global _registered
     directory = run_dir()
     if _registered or directory is None:
@@ -201,45 +171,36 @@ def install() -> None:
 
 
 class MultiprocessExport:
-    """One engine's counters in Prometheus' multiprocess files (several API servers): the
-    ``MultiProcessCollector`` vLLM builds for every scrape reads them. Counters are advanced
-    by what changed since the last call; called by the publisher thread only."""
+    """One engine's counters in Prometheus' multiprocess files, advanced by what changed
+    since the last :meth:`update`; called by the publisher thread only."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         from prometheus_client import Counter, Gauge
 
-        self._labels = [labels[name] for name in LABELS]
-        self._counters = {
-            key: Counter(PREFIX + key, text, LABELS, registry=None).labels(*self._labels)
-            for key, text in COUNTERS
-        }
-        rolled_back = Counter(
-            PREFIX + ROLLED_BACK, ROLLBACK_HELP, (*LABELS, "cause"), registry=None
-        )
-        for cause, key in ROLLBACK_CAUSES.items():
-            self._counters[key] = rolled_back.labels(*self._labels, cause)
-        gauge = Gauge(
-            PREFIX + UNCOMMITTED,
-            UNCOMMITTED_HELP,
-            LABELS,
-            registry=None,
-            multiprocess_mode="mostrecent",
-        )
-        self._uncommitted = gauge.labels(*self._labels)
+        own = [labels[name] for name in LABELS]
+        self._series: dict[str, Any] = {}
+        for name, text, names, keys in FAMILIES:
+            metric = (
+                Gauge(PREFIX + name, text, names, registry=None, multiprocess_mode="mostrecent")
+                if name == UNCOMMITTED
+                else Counter(PREFIX + name, text, names, registry=None)
+            )
+            for key, values in keys.items():
+                self._series[key] = metric.labels(*own, *values)
         self._last: dict[str, int] = {}
 
     def update(self, counters: dict[str, int]) -> None:
-        for key, counter in self._counters.items():
-            delta = counters.get(key, 0) - self._last.get(key, 0)
-            if delta > 0:
-                counter.inc(delta)
-        self._uncommitted.set(counters.get(UNCOMMITTED, 0))
+        for key, series in self._series.items():
+            value = counters.get(key, 0)
+            if key == UNCOMMITTED:
+                series.set(value)
+            elif value > self._last.get(key, 0):
+                series.inc(value - self._last.get(key, 0))
         self._last = dict(counters)
 
 
 def multiprocess_export(labels: dict[str, str]) -> MultiprocessExport | None:
-    """The engine's multiprocess export when several API servers serve ``/metrics``
-    (prometheus_client writes its values to files only then); None otherwise."""
+    """The engine's export when several API servers serve ``/metrics``; None otherwise."""
     if not os.environ.get(MULTIPROC_DIR_ENV):
         return None
     from prometheus_client import values

@@ -59,11 +59,8 @@ def make_vllm_config(**configs: Any) -> Any:
 
 
 def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
-    """A ``ModelRunnerOutput`` listing ``req_ids`` in batch order, as a runner returns it.
-
-    vLLM 0.30-0.33 also take the index of each (``req_id_to_index``); 0.34 finds a
-    request's output by its position in ``req_ids``.
-    """
+    """A ``ModelRunnerOutput`` listing ``req_ids`` in batch order, as a runner returns it
+    (vLLM 0.30-0.33 also take each one's index, ``req_id_to_index``; 0.34 reads the order)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
@@ -97,11 +94,9 @@ def make_scheduler() -> Any:
     )
     vllm_config.scheduler_config.async_scheduling = False  # the CPU platform's setting
     vllm_config.cache_config.num_gpu_blocks = 20
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
+    kv = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(
-        num_blocks=20, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+        num_blocks=20, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], kv)]
     )
     return Scheduler(
         vllm_config=vllm_config,
@@ -129,46 +124,15 @@ def make_request(request_id: str, prompt: list[int], priority: int = 0) -> Any:
     )
 
 
-class Runner:
-    """Computes each step it is given: records which prefix each block it fills holds,
-    and samples token 7 for every request whose known tokens are all computed."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        self.block_contents: dict[int, Any] = {}  # block ID -> the key of what it holds
-
-    def run(self, scheduler_output: Any) -> Any:
-        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-        req_ids, sampled = [], []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.scheduler.requests[req_id]
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            computed = request.num_computed_tokens  # after this step (schedule() advanced)
-            first = (computed - num_tokens) // BLOCK_SIZE
-            for i in range(first, min(computed // BLOCK_SIZE, len(request.block_hashes))):
-                key = make_block_hash_with_group_id(request.block_hashes[i], 0)
-                self.block_contents[block_ids[i]] = key
-            req_ids.append(req_id)
-            sampled.append([7] if computed >= request.num_tokens else [])
-        return model_runner_output(req_ids, sampled_token_ids=sampled)
-
-    def entries_never_written(self) -> int:
-        """Cached blocks whose hash names tokens no step that ran wrote into them."""
-        pool = self.scheduler.kv_cache_manager.block_pool
-        return sum(
-            1
-            for block in pool.blocks
-            if block.block_hash is not None
-            and self.block_contents.get(block.block_id) != block.block_hash
-        )
-
-
 def zombie_layout() -> int:
     """Entries naming never-written KV, summed over the layout's steps, on whatever vLLM
-    (stock or guarded) is active."""
+    (stock or guarded) is active. The runner computes each step it is given: it records
+    which prefix each block it fills holds, and samples token 7 for every request whose
+    known tokens are all computed."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
     scheduler = make_scheduler()
-    runner = Runner(scheduler)
+    written: dict[int, Any] = {}  # block ID -> the key of what a step that ran wrote there
     a_prompt = list(range(1, 161))
     scheduler.add_request(make_request("D", list(range(1000, 1016))))
     scheduler.add_request(make_request("A", a_prompt, priority=1))
@@ -181,6 +145,21 @@ def zombie_layout() -> int:
         if iteration > 3 and not scheduler.has_requests():
             break
         scheduler_output = scheduler.schedule()
-        scheduler.update_from_output(scheduler_output, runner.run(scheduler_output))
-        never_written += runner.entries_never_written()
+        req_ids, sampled = [], []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            computed = request.num_computed_tokens  # after this step (schedule() advanced)
+            first = (computed - num_tokens) // BLOCK_SIZE
+            for i in range(first, min(computed // BLOCK_SIZE, len(request.block_hashes))):
+                written[block_ids[i]] = make_block_hash_with_group_id(request.block_hashes[i], 0)
+            req_ids.append(req_id)
+            sampled.append([7] if computed >= request.num_tokens else [])
+        output = model_runner_output(req_ids, sampled_token_ids=sampled)
+        scheduler.update_from_output(scheduler_output, output)
+        # Cached blocks whose hash names tokens no step that ran wrote into them.
+        never_written += sum(
+            block.block_hash is not None and written.get(block.block_id) != block.block_hash
+            for block in scheduler.kv_cache_manager.block_pool.blocks
+        )
     return never_written

