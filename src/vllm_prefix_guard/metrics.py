@@ -194,8 +194,8 @@ class MultiprocessExport:
             value = counters.get(key, 0)
             if key == UNCOMMITTED:
                 series.set(value)
-            elif value > self._last.get(key, 0):
-                series.inc(value - self._last.get(key, 0))
+            elif value > (last := self._last.get(key, 0)):
+                series.inc(value - last)
         self._last = dict(counters)
 
 

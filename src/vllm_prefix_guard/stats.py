@@ -133,8 +133,10 @@ class StatsPublisher:
         once they are gone (their scheduler was collected)."""
         with self._lock:
             counters = self._read()
-            if counters is None or (counters == self._last and not force):
-                return counters is not None
+            if counters is None:
+                return False
+            if counters == self._last and not force:
+                return True
             document = {**self._labels, "pid": os.getpid(), "updated_at": time.time()}
             document["counters"] = counters
             for path in list(self._paths):

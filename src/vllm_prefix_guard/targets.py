@@ -280,14 +280,18 @@ def native_fix() -> NativeFix:
     for owner, name, arity in NATIVE_FIX:
         qualname = f"{owner}.{name}"
         cls = _native_owner(owner)
-        fn = inspect.getattr_static(cls, name, None) if cls is not None else None
         if arity is None:
-            fn = name if cls is not None and has_instance_attribute(cls, name) else None
+            if cls is not None and has_instance_attribute(cls, name):
+                present.append(qualname)
+            else:
+                problems.append(f"no {qualname}")
+            continue
+        fn = inspect.getattr_static(cls, name, None) if cls is not None else None
         if fn is None or getattr(fn, PATCH_MARKER, False):  # absent, or the guard's own
             problems.append(f"no {qualname}")
             continue
         present.append(qualname)
-        if arity is not None and (not callable(fn) or _positional_parameters(fn) != arity):
+        if not callable(fn) or _positional_parameters(fn) != arity:
             problems.append(
                 f"{qualname} is not a method taking {arity} argument{'s' * (arity != 1)}"
             )
