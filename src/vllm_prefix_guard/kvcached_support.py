@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import metadata
 
 from vllm_prefix_guard import targets
@@ -53,11 +54,11 @@ class KvcachedStatus:
     # kvcached's stated engine window (``>=0.29.0,<0.31.0`` in 0.1.6), once it patched vLLM.
     window: str | None = None
 
-    @property
+    @cached_property
     def variant(self) -> str | None:
-        """``native-index`` where kvcached's own constructors set up vLLM's index. vLLM's
-        ``BlockPool.__init__`` is in every variant's MRO but kvcached never calls it, so
-        only the stores of kvcached's classes count."""
+        """``native-index`` where kvcached's own constructors set up vLLM's index (read once:
+        vLLM's ``BlockPool.__init__`` is in every variant's MRO but kvcached never calls it,
+        so only the stores of kvcached's classes count)."""
         if self.pool_class is None:
             return None
         stores: set[str] = set()
