@@ -124,13 +124,36 @@ def make_request(request_id: str, prompt: list[int], priority: int = 0) -> Any:
     )
 
 
-def zombie_layout() -> int:
-    """Entries naming never-written KV, summed over the layout's steps, on whatever vLLM
-    (stock or guarded) is active. The runner computes each step it is given: it records
-    which prefix each block it fills holds, and samples token 7 for every request whose
-    known tokens are all computed."""
+def run_step(scheduler: Any, scheduler_output: Any, written: dict[int, Any]) -> Any:
+    """The runner: compute ``scheduler_output``'s tokens, recording in ``written`` (block ID
+    -> key) which prefix each block it fills holds, and sample token 7 for every request
+    whose known tokens are all computed."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
+    req_ids, sampled = [], []
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+        computed = request.num_computed_tokens  # after this step (schedule() advanced)
+        first = (computed - num_tokens) // BLOCK_SIZE
+        for i in range(first, min(computed // BLOCK_SIZE, len(request.block_hashes))):
+            written[block_ids[i]] = make_block_hash_with_group_id(request.block_hashes[i], 0)
+        req_ids.append(req_id)
+        sampled.append([7] if computed >= request.num_tokens else [])
+    return model_runner_output(req_ids, sampled_token_ids=sampled)
+
+
+def entries_never_written(scheduler: Any, written: dict[int, Any]) -> int:
+    """Cached blocks whose hash names tokens no step that ran wrote into them."""
+    return sum(
+        block.block_hash is not None and written.get(block.block_id) != block.block_hash
+        for block in scheduler.kv_cache_manager.block_pool.blocks
+    )
+
+
+def zombie_layout() -> int:
+    """Entries naming never-written KV, summed over the layout's steps, on whatever vLLM
+    (stock or guarded) is active."""
     scheduler = make_scheduler()
     written: dict[int, Any] = {}  # block ID -> the key of what a step that ran wrote there
     a_prompt = list(range(1, 161))
@@ -145,21 +168,8 @@ def zombie_layout() -> int:
         if iteration > 3 and not scheduler.has_requests():
             break
         scheduler_output = scheduler.schedule()
-        req_ids, sampled = [], []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = scheduler.requests[req_id]
-            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
-            computed = request.num_computed_tokens  # after this step (schedule() advanced)
-            first = (computed - num_tokens) // BLOCK_SIZE
-            for i in range(first, min(computed // BLOCK_SIZE, len(request.block_hashes))):
-                written[block_ids[i]] = make_block_hash_with_group_id(request.block_hashes[i], 0)
-            req_ids.append(req_id)
-            sampled.append([7] if computed >= request.num_tokens else [])
-        output = model_runner_output(req_ids, sampled_token_ids=sampled)
-        scheduler.update_from_output(scheduler_output, output)
-        # Cached blocks whose hash names tokens no step that ran wrote into them.
-        never_written += sum(
-            block.block_hash is not None and written.get(block.block_id) != block.block_hash
-            for block in scheduler.kv_cache_manager.block_pool.blocks
+        scheduler.update_from_output(
+            scheduler_output, run_step(scheduler, scheduler_output, written)
         )
+        never_written += entries_never_written(scheduler, written)
     return never_written

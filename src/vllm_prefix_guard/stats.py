@@ -42,7 +42,11 @@ class GuardStats:
 
     @property
     def rolled_back(self) -> int:
-        return sum(v for k, v in vars(self).items() if k.startswith("rolled_back_"))
+        return (
+            self.rolled_back_preempted
+            + self.rolled_back_kv_load_failure
+            + self.rolled_back_dropped_step
+        )
 
     def as_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "rolled_back": self.rolled_back}
