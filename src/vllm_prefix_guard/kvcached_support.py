@@ -56,9 +56,9 @@ class KvcachedStatus:
 
     @cached_property
     def variant(self) -> str | None:
-        """``native-index`` where kvcached's own constructors set up vLLM's index (read once:
-        vLLM's ``BlockPool.__init__`` is in every variant's MRO but kvcached never calls it,
-        so only the stores of kvcached's classes count)."""
+        """``native-index`` where kvcached's own constructors set up vLLM's index. Only their
+        stores count: vLLM's ``BlockPool.__init__`` is in every variant's MRO, never called
+        by kvcached. Cached, since it parses their source."""
         if self.pool_class is None:
             return None
         stores: set[str] = set()
