@@ -6,6 +6,7 @@ The end-to-end proof (real ``api_server``, DP=1, DP=2, two API servers) is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_prefix_guard import metrics, plugin
 from vllm_prefix_guard.patching import is_guard_patch
+from vllm_prefix_guard.stats import GuardStats
 from vllm_prefix_guard_harness.factory import make_request, make_scheduler
 from vllm_prefix_guard_harness.shadow_kv import Driver
 
@@ -33,6 +35,20 @@ def write_engine(directory: Path, engine: int, **counters: int) -> None:
     (directory / f"engine-{engine}.json").write_text(
         json.dumps({"model_name": "m", "engine": str(engine), "counters": counters})
     )
+
+
+def test_each_counter_keeps_its_name_from_the_guard_to_metrics() -> None:
+    """One name per counter: the series read ``GuardStats``' fields by name, the causes of
+    ``rolled_back`` are exactly its ``rolled_back_*`` fields, and the total sums all of
+    them (a cause added on one side only fails here, not silently on ``/metrics``)."""
+    fields = {field.name for field in dataclasses.fields(GuardStats)}
+    causes = sorted(f for f in fields if f.startswith("rolled_back_"))
+    assert sorted(metrics.ROLLBACK_CAUSES.values()) == causes
+    stats = GuardStats(**{cause: 10**i for i, cause in enumerate(causes)})
+    assert stats.rolled_back == sum(10**i for i in range(len(causes)))
+    series = {key for _, _, _, keys in metrics.FAMILIES for key in keys}
+    # The peak is kept in the files only; the gauge is the guard's, not a GuardStats field.
+    assert series == fields - {"peak_uncommitted_entries"} | {metrics.UNCOMMITTED}
 
 
 def test_one_series_per_engine_with_vllm_labels(tmp_path: Path) -> None:
