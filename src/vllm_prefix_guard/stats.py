@@ -18,6 +18,7 @@ from pathlib import Path
 
 from vllm_prefix_guard.errors import GuardConfigError
 from vllm_prefix_guard.log import logger
+from vllm_prefix_guard.metrics import ROLLBACK_CAUSES
 
 #: An operator's JSON copy of the counters; ``{engine}`` in it becomes the engine's
 #: data-parallel rank, else engines past the first get ``.engine<N>`` (never a shared file).
@@ -42,11 +43,7 @@ class GuardStats:
 
     @property
     def rolled_back(self) -> int:
-        return (
-            self.rolled_back_preempted
-            + self.rolled_back_kv_load_failure
-            + self.rolled_back_dropped_step
-        )
+        return sum(getattr(self, field) for field in ROLLBACK_CAUSES.values())
 
     def as_dict(self) -> dict[str, int]:
         return {**dataclasses.asdict(self), "rolled_back": self.rolled_back}
