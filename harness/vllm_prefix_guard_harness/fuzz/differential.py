@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from vllm_prefix_guard.metrics import ROLLBACK_CAUSES
 from vllm_prefix_guard_harness.fuzz.audit import AuditCounts
 from vllm_prefix_guard_harness.fuzz.configs import FuzzConfig
 from vllm_prefix_guard_harness.fuzz.runner import MODES, RunResult, run_workload
@@ -244,13 +245,9 @@ EVICTION_ORDER = (
 
 
 def _reorders(guard: RunResult) -> bool:
-    """Whether the guard undid entries (each changes when its block is reused)."""
-    return (
-        guard.rolled_back_preempted
-        + guard.rolled_back_kv_load_failure
-        + guard.rolled_back_dropped_step
-        > 0
-    )
+    """Whether the guard undid entries (each changes when its block is reused), of any
+    cause ``/metrics`` labels: a cause the runner does not record fails here, loudly."""
+    return sum(getattr(guard, cause) for cause in ROLLBACK_CAUSES.values()) > 0
 
 
 def _is_exact(guard: RunResult) -> bool:
