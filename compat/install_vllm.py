@@ -11,13 +11,24 @@ GPU kernel library, and ``doctor`` plus the suite decide whether the venv serves
 Afterwards the index's ``torchvision``/``torchaudio``/``torchcodec`` are removed (they break
 ``import vllm`` beside the CPU torch wheel).
 
+With ``--seed-from`` another release's venv, the new venv starts as hard links to the files
+that venv's distributions installed, so what both releases require at the same version
+(vLLM 0.33 and 0.34 share torch 2.14.0 and 3.5 GB of CUDA libraries) is on the disk once;
+pip then changes only what differs, and what the new release does not require is
+uninstalled. The venv holds what a fresh install would, and neither venv can change the
+other: pip removes a file before writing one, and Python replaces a ``.pyc`` atomically.
+
 Usage::
 
-    python compat/install_vllm.py VENV REQUIREMENT     # e.g. .nox/vllm-0.34 vllm==0.34.0
+    python compat/install_vllm.py VENV REQUIREMENT [--seed-from VENV]
+    # e.g. .nox/vllm-0.34 vllm==0.34.0 --seed-from .nox/vllm-0.33
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import os
 import re
 import subprocess
 import sys
@@ -41,6 +52,40 @@ for r in m.requires(sys.argv[1]) or []:
 """
 
 
+#: What ``python -m venv`` puts in a venv by itself: kept when a seeded venv is pruned.
+VENV_OWN = {"pip", "setuptools"}
+#: The distributions the one named installed needs, transitively, as installed: a
+#: requirement its installed version does not satisfy (a pin the index lacks) is not
+#: followed, as pip would not have installed it.
+REQUIRED = """
+import importlib.metadata as m, sys
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+seen, todo = set(), [(canonicalize_name(sys.argv[1]), "")]
+while todo:
+    name, extra = todo.pop()
+    if (name, extra) in seen:
+        continue
+    seen.add((name, extra))
+    for line in m.distribution(name).requires or []:
+        r = Requirement(line)
+        if r.marker is not None and not r.marker.evaluate({"extra": extra}):
+            continue
+        try:
+            version = m.version(r.name)
+        except m.PackageNotFoundError:
+            continue
+        if r.specifier.contains(version, prereleases=True):
+            todo += [(canonicalize_name(r.name), e) for e in ("", *r.extras)]
+print("\\n".join(sorted({name for name, _ in seen})))
+"""
+#: Every installed distribution's name.
+INSTALLED = """
+import importlib.metadata as m
+print("\\n".join(d.metadata["Name"] for d in m.distributions()))
+"""
+
+
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower().split("[")[0]
 
@@ -57,14 +102,63 @@ def missing_pins(output: str) -> set[str]:
     return {f"{canonical(name)}=={version}" for name, version in MISSING_PIN.findall(output)}
 
 
-def install(venv: Path, requirement: str) -> list[str]:
-    """Make ``venv`` with ``requirement``; return the pins left out (empty: pip's own
-    resolution installed everything)."""
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+def seed(venv: Path, source: Path) -> None:
+    """Hard-link into ``venv`` (made ``--without-pip``) every file that ``source``'s
+    distributions installed, as their RECORDs list them; a script that starts its
+    interpreter by path is written anew to start ``venv``'s."""
+    source, venv = source.resolve(), venv.resolve()
+    old, new = os.fsencode(source / "bin"), os.fsencode(venv / "bin")
+    for record in source.glob("lib/python*/site-packages/*.dist-info/RECORD"):
+        with record.open(newline="") as rows:
+            paths = [
+                Path(os.path.normpath(record.parent.parent / row[0])) for row in csv.reader(rows)
+            ]
+        for path in paths:
+            if not path.is_relative_to(source) or not path.is_file():
+                continue
+            target = venv / path.relative_to(source)
+            if target.exists():  # listed by two RECORDs, or made by ``python -m venv``
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = path.read_bytes() if path.parent == source / "bin" else b""
+            if data.startswith(b"#!") and old in data:
+                target.write_bytes(data.replace(old, new))
+                target.chmod(path.stat().st_mode)
+            else:
+                os.link(path, target)
+
+
+def prune(python: str, name: str) -> None:
+    """Uninstall what a seed brought that ``name`` does not require."""
+    run = [python, "-c"]
+    required = subprocess.run([*run, REQUIRED, name], capture_output=True, text=True, check=True)
+    installed = subprocess.run([*run, INSTALLED], capture_output=True, text=True, check=True)
+    keep = set(required.stdout.split()) | VENV_OWN
+    extra = sorted({canonical(n) for n in installed.stdout.split()} - keep)
+    if extra:
+        subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *extra], check=True)
+
+
+def install(venv: Path, requirement: str, seed_from: Path | None = None) -> list[str]:
+    """Make ``venv`` with ``requirement``, from ``seed_from``'s files where given; return the
+    pins left out (empty: pip's own resolution installed everything)."""
+    fresh = [sys.executable, "-m", "venv", "--clear", str(venv)]
+    if seed_from is not None:
+        subprocess.run([*fresh, "--without-pip"], check=True)
+        try:
+            seed(venv, seed_from)
+        except OSError as error:  # no hard links on this file system: a fresh venv
+            print(f"not seeded from {seed_from}: {error}")
+            seed_from = None
+    if seed_from is None:
+        subprocess.run(fresh, check=True)
     python = str(venv / "bin" / "python")
     if pip(python, "--quiet", "--upgrade", "pip").returncode:
         raise SystemExit("could not upgrade pip in the venv")
-    done = pip(python, "--quiet", requirement)
+    # What the seed has at an older version its requirement allows is brought to the version
+    # a fresh venv would get.
+    newest = ["--upgrade", "--upgrade-strategy", "eager"] if seed_from is not None else []
+    done = pip(python, "--quiet", *newest, requirement)
     left_out: set[str] = set()
     if done.returncode:
         left_out = missing_pins(done.stdout + done.stderr)
@@ -83,7 +177,7 @@ def install(venv: Path, requirement: str) -> list[str]:
                 for r in listed
                 if r.strip() and canonical(re.split(r"[ <>=!~;]", r)[0]) not in skipped
             ]
-            done = pip(python, "--quiet", *wanted)
+            done = pip(python, "--quiet", *newest, *wanted)
             if not done.returncode:
                 break
             more = missing_pins(done.stdout + done.stderr) - left_out
@@ -92,17 +186,21 @@ def install(venv: Path, requirement: str) -> list[str]:
             left_out |= more
         else:
             raise SystemExit(f"too many of {name}'s pins are missing: {sorted(left_out)}")
+    if seed_from is not None:
+        prune(python, canonical(requirement.split("==")[0]))
     subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT], check=False)
     (venv / ".vllm-missing-requirements").write_text("".join(f"{p}\n" for p in sorted(left_out)))
     return sorted(left_out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        raise SystemExit(__doc__)
-    venv, requirement = Path(args[0]), args[1]
-    left_out = install(venv, requirement)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("venv", type=Path)
+    parser.add_argument("requirement")
+    parser.add_argument("--seed-from", type=Path, help="another release's venv to share files with")
+    args = parser.parse_args(argv)
+    venv, requirement = args.venv, args.requirement
+    left_out = install(venv, requirement, args.seed_from)
     if left_out:
         print(
             f"{requirement}: installed without {', '.join(left_out)}, which the package index "

@@ -1,8 +1,9 @@
-"""The release routine's tools on made-up inputs: what the static check calls a move, and
-which pins the installer leaves out (no vLLM needed)."""
+"""The release routine's tools on made-up inputs: what the static check calls a move, which
+pins the installer leaves out, and how it seeds one venv from another (no vLLM needed)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -77,3 +78,53 @@ def test_only_a_missing_pin_is_left_out() -> None:
     )
     assert install_vllm.missing_pins(output) == {"flashinfer-python==0.7.3"}
     assert install_vllm.missing_pins("ERROR: ResolutionImpossible: conflicting") == set()
+
+
+def _installed(venv: Path, files: dict[str, bytes]) -> None:
+    """A venv whose one distribution installed ``files`` (paths relative to the venv)."""
+    site = venv / "lib" / "python3.11" / "site-packages"
+    info = site / "demo-1.0.dist-info"
+    info.mkdir(parents=True)
+    for name, data in files.items():
+        (venv / name).parent.mkdir(parents=True, exist_ok=True)
+        (venv / name).write_bytes(data)
+    rows = [f"../../../{name},," for name in files] + ["demo-1.0.dist-info/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(rows) + "\n")
+
+
+def test_a_seed_shares_the_files_and_scripts_start_the_new_venv(tmp_path: Path) -> None:
+    source, venv = tmp_path / "source", tmp_path / "new"
+    script = f"#!{source.resolve()}/bin/python\nimport demo\n".encode()
+    _installed(
+        source,
+        {
+            "lib/python3.11/site-packages/demo/__init__.py": b"x = 1\n",
+            "bin/demo": script,
+            "bin/tool": b"\x7fELF",
+        },
+    )
+    (source / "vllm-cache").mkdir()  # what a session wrote: no distribution's, not seeded
+    (source / "vllm-cache" / "state").write_text("")
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("the new venv's own")
+    install_vllm.seed(venv, source)
+
+    module = "lib/python3.11/site-packages/demo/__init__.py"
+    assert (venv / module).stat().st_ino == (source / module).stat().st_ino
+    assert (venv / "bin" / "tool").stat().st_ino == (source / "bin" / "tool").stat().st_ino
+    assert (venv / "bin" / "demo").read_text() == f"#!{venv.resolve()}/bin/python\nimport demo\n"
+    assert (source / "bin" / "demo").read_bytes() == script
+    assert (venv / "bin" / "python").read_text() == "the new venv's own"
+    assert (venv / "lib/python3.11/site-packages/demo-1.0.dist-info/RECORD").exists()
+    assert not (venv / "vllm-cache").exists()
+
+
+def test_what_a_distribution_requires_is_followed_through_installed_metadata() -> None:
+    required = subprocess.run(
+        [sys.executable, "-c", install_vllm.REQUIRED, "pytest"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert {"pytest", "pluggy", "iniconfig", "packaging"} <= set(required)
+    assert "hypothesis" not in required
