@@ -21,6 +21,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "compat"))
+import install_vllm  # noqa: E402
 from environment import TEST_ENV  # noqa: E402
 
 from vllm_prefix_guard.versions import TESTED_VLLM  # noqa: E402
@@ -64,20 +65,6 @@ def distribution(version: str) -> str:
     return TESTED_VLLM[version].split("==")[0]
 
 
-def seed_for(version: str) -> Path | None:
-    """The made venv of the nearest release of the same distribution, if any."""
-    order = list(TESTED_VLLM)
-    made = [
-        other
-        for other in order
-        if other != version and distribution(other) == distribution(version) and is_made(other)
-    ]
-    nearest = min(
-        made, key=lambda other: abs(order.index(other) - order.index(version)), default=None
-    )
-    return None if nearest is None else venv_dir(nearest)
-
-
 def install_commands(version: str) -> list[list[str]] | None:
     """What makes the venv of one vLLM release, or None when it is already made:
     ``compat/install_vllm.py``, which installs without pip's cache (it would keep a second
@@ -88,7 +75,7 @@ def install_commands(version: str) -> list[list[str]] | None:
         return None
     command = [sys.executable, str(ROOT / "compat" / "install_vllm.py")]
     command += [str(venv_dir(version)), TESTED_VLLM[version]]
-    seed = seed_for(version)
+    seed = install_vllm.seed_source(venv_dir(version), TESTED_VLLM[version])
     return [command if seed is None else [*command, "--seed-from", str(seed)]]
 
 

