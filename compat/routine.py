@@ -115,12 +115,10 @@ class Routine:
 
     def install(self) -> dict[str, Any]:
         requirement = self.args.requirement or f"vllm=={self.version}"
-        marker = self.venv / ".vllm-requirement"
         left_out: list[str] = []
-        if not (marker.exists() and marker.read_text() == requirement):
+        if not install_vllm.is_made(self.venv, requirement):
             seed = install_vllm.seed_source(self.venv, requirement)
             left_out = install_vllm.install(self.venv, requirement, seed)
-            marker.write_text(requirement)
         else:
             missing = self.venv / ".vllm-missing-requirements"
             left_out = missing.read_text().split() if missing.exists() else []
