@@ -74,13 +74,15 @@ class Audit:
         record for its request (a move: for none) is what the guard recorded."""
         from vllm_prefix_guard import pool as guard_pool
 
-        def recording_factory(wrap: Any, request_of: Callable[[tuple[Any, ...]], Any]) -> Any:
+        def recording_factory(
+            wrap: Any, request_of: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+        ) -> Any:
             def recording_wrap(original: Any) -> Any:
                 wrapper = wrap(original)
 
                 def recording(pool: Any, *args: Any, **kwargs: Any) -> Any:
                     entries = pool.uncommitted_entries
-                    request_id = request_of(args)
+                    request_id = request_of(args, kwargs)
                     known = len(entries.get(request_id, ())) if entries is not None else 0
                     result = wrapper(pool, *args, **kwargs)
                     audit = Audit.current
@@ -93,13 +95,14 @@ class Audit:
 
             return recording_wrap
 
-        def by_request(args: tuple[Any, ...]) -> Any:
-            return args[0].request_id
+        def by_request(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # vLLM calls both by keyword (single_type_kv_cache_manager), tests by position.
+            return (kwargs["request"] if "request" in kwargs else args[0]).request_id
 
         for name, request_of in (
             ("wrap_cache_full_blocks", by_request),
             ("wrap_cache_partial_block", by_request),
-            ("wrap_move_block_hashes", lambda args: None),
+            ("wrap_move_block_hashes", lambda args, kwargs: None),
         ):
             setattr(guard_pool, name, recording_factory(getattr(guard_pool, name), request_of))
 
