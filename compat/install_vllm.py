@@ -15,8 +15,10 @@ With ``--seed-from`` another release's venv, the new venv starts as hard links t
 that venv's distributions installed, so what both releases require at the same version
 (vLLM 0.33 and 0.34 share torch 2.14.0 and 3.5 GB of CUDA libraries) is on the disk once;
 pip then changes only what differs, and what the new release does not require is
-uninstalled. The venv holds what a fresh install would, and neither venv can change the
-other: pip removes a file before writing one, and Python replaces a ``.pyc`` atomically.
+uninstalled. The venv holds the distributions, at the versions, that a fresh install would
+(their files as the wheels give them; a rewritten script differs from its RECORD hash),
+and neither venv can change the other: pip removes a file before writing one, and Python
+replaces a ``.pyc`` atomically.
 
 Usage::
 
