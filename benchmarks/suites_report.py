@@ -3,9 +3,10 @@
 
 A plain ``nox`` runs the suite on the releases of ``noxfile.DEFAULT_SUITES``; the others
 (``nox -s tests-vllm-0.31 tests-vllm-0.33``) are too slow for every CI run and are proven
-here instead: each ``tests-vllm-X`` session leaves a JUnit file in ``.nox/``, and this
-script keeps one row per release in ``benchmarks/results/suites.json`` (a release not run
-this time keeps its row) and renders them as a table.
+here instead: each whole ``tests-vllm-X`` run (none narrowed after ``--``) leaves a JUnit
+file in ``.nox/``, and this script keeps one row per release in
+``benchmarks/results/suites.json`` (a release not run this time keeps its row) and renders
+them as a table.
 
 Usage::
 
